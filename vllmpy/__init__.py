@@ -1,0 +1,15 @@
+"""vllmpy: vLLM's behaviour and API in a Python codebase you can read in an afternoon."""
+from vllmpy.outputs import CompletionOutput, Logprob, RequestOutput
+from vllmpy.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+
+
+def __getattr__(name: str):
+    # Importing LLM pulls in torch; keep `import vllmpy` light for tools that only need the types.
+    if name == "LLM":
+        from vllmpy.entrypoints.llm import LLM
+        return LLM
+    raise AttributeError(name)

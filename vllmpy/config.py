@@ -1,0 +1,94 @@
+"""Engine configuration: flat dataclasses whose fields the CLI flags bind to one-to-one."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None  # None = the embedded default model
+    tokenizer: str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None  # None = the checkpoint's context length
+    seed: int = 0
+
+    def validate(self) -> None:
+        _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _require(self.device in DEVICES or self.device.startswith("cuda:"),
+                 f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        _require(self.max_model_len is None or self.max_model_len >= 1,
+                 f"--max-model-len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # per-layer block count; overrides sizing
+    kv_cache_memory: int | None = None  # bytes for the whole pool
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+                 f"--block-size must be a power of two >= 1, got {self.block_size}")
+        _require(self.num_blocks is None or self.num_blocks >= 1,
+                 f"--num-blocks must be >= 1, got {self.num_blocks}")
+        _require(self.kv_cache_memory is None or self.kv_cache_memory >= 1,
+                 f"--kv-cache-memory must be a positive byte count, got {self.kv_cache_memory}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+
+    def validate(self) -> None:
+        _require(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1,
+                 f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.scheduling_policy in SCHEDULING_POLICIES,
+                 f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                 f"got {self.scheduling_policy!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from flat engine args (LLM(**kwargs), CLI flags); unknown names are refused."""
+        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        values: dict[str, dict] = {name: {} for name in parts}
+        owner = {f.name: name for name, kind in parts.items() for f in fields(kind)}
+        for key, value in kwargs.items():
+            if key not in owner:
+                raise TypeError(f"unknown engine argument {key!r}; known: {', '.join(sorted(owner))}")
+            values[owner[key]][key] = value
+        config = cls(**{name: kind(**values[name]) for name, kind in parts.items()})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()
+
+
+def engine_arg_names() -> list[str]:
+    return [f.name for kind in (ModelConfig, CacheConfig, SchedulerConfig) for f in fields(kind)]

@@ -1,0 +1,99 @@
+"""EngineCore.step(): schedule → execute → update. Synchronous and testable; no threads here."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vllmpy.config import EngineConfig
+from vllmpy.engine.request import Request, RequestStatus
+from vllmpy.engine.schedule_types import ModelRunnerOutput, SchedulerOutput
+from vllmpy.engine.scheduler import Scheduler
+from vllmpy.loader.model_loader import Checkpoint, build_model, open_checkpoint, resolve_device, resolve_dtype
+from vllmpy.runner.memory import available_memory_bytes, kv_bytes_per_block, resolve_num_blocks
+from vllmpy.runner.model_runner import ModelRunner
+
+logger = logging.getLogger("vllmpy")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.model.seed)
+        self.checkpoint: Checkpoint = open_checkpoint(config.model)
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.model = build_model(self.checkpoint, self.dtype, self.device)
+        self.tokenizer = self.checkpoint.tokenizer
+        self.max_model_len = config.model.max_model_len or self.checkpoint.max_model_len
+        self.vocab_size = self.checkpoint.config["vocab_size"]
+        self.eos_token_ids = self.checkpoint.eos_token_ids
+        num_layers, kv_heads, head_dim = self.model.kv_cache_shape()
+        block_size = config.cache.block_size
+        per_block = kv_bytes_per_block(num_layers, kv_heads, head_dim, block_size,
+                                       torch.tensor([], dtype=self.dtype).element_size())
+        self.num_blocks, info = resolve_num_blocks(config.cache, per_block, available_memory_bytes(self.device),
+                                                   self.max_model_len, block_size)
+        logger.info(info)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, block_size, self.num_blocks,
+                                  self.vocab_size, self.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
+
+    def add_request(self, request: Request) -> None:
+        prompt_len = request.num_prompt_tokens
+        if prompt_len == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"prompt has {prompt_len} tokens but max_model_len is {self.max_model_len}; "
+                             f"shorten the prompt or raise --max-model-len")
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+        room = self.max_model_len - prompt_len
+        request.max_tokens = min(request.max_tokens or room, room)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
+        self.scheduler.finish_requests(req_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> tuple[list[Request], ModelRunnerOutput | None, SchedulerOutput]:
+        """One engine iteration; returns the requests that changed (new tokens or finished)."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return [], None, scheduler_output
+        runner_output = self.runner.execute(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        finished: dict[RequestStatus, list[str]] = {}
+        for request in updated:
+            if request.is_finished:
+                continue
+            status = self._check_stop(request)
+            if status is not None:
+                finished.setdefault(status, []).append(request.request_id)
+        for status, ids in finished.items():
+            self.scheduler.finish_requests(ids, status)
+        return updated, runner_output, scheduler_output
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        """Token-level stops; stop strings are checked after detokenization, above the core."""
+        if not request.output_token_ids:
+            return None
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                request.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+

@@ -1,0 +1,173 @@
+"""Turns engine-core updates into RequestOutputs: detokenization, stop strings, logprobs, n > 1."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from vllmpy.engine.request import Request
+from vllmpy.engine.schedule_types import ModelRunnerOutput, SampledLogprobs
+from vllmpy.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from vllmpy.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class SequenceState:
+    """One child sequence of a user request."""
+
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[PositionLogprobs] | None
+    cumulative_logprob: float | None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[SequenceState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, tuple[ParentState, SequenceState]] = {}
+        self._token_text: dict[int, str] = {}
+
+    def add(self, request_id: str, prompt: str | None, children: list[Request]) -> ParentState:
+        params = children[0].sampling_params
+        sequences = [
+            SequenceState(
+                request=child, index=i,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids,
+                                                   skip_special_tokens=params.skip_special_tokens),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None)
+            for i, child in enumerate(children)]
+        parent = ParentState(request_id, prompt, children[0].prompt_token_ids, sequences,
+                             RequestMetrics(arrival_time=children[0].arrival_time),
+                             prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+        self.parents[request_id] = parent
+        for seq in sequences:
+            self.child_to_parent[seq.request.request_id] = (parent, seq)
+        return parent
+
+    def decoded(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _position(self, entry: SampledLogprobs) -> PositionLogprobs:
+        """vLLM's shape: the chosen token with its rank, then the top-k with ranks 1..k."""
+        result: PositionLogprobs = {}
+        chosen = entry.token_ids[0]
+        result[chosen] = Logprob(entry.logprobs[0], entry.chosen_rank, self.decoded(chosen))
+        for rank, (tid, lp) in enumerate(zip(entry.token_ids[1:], entry.logprobs[1:]), start=1):
+            if tid not in result:
+                result[tid] = Logprob(lp, rank, self.decoded(tid))
+        return result
+
+    def process(self, updated: list[Request], runner_output: ModelRunnerOutput | None) -> tuple[list[ParentState], list[str]]:
+        """Fold this step's updates in; returns the touched parents and child ids that hit a stop string."""
+        now = time.time()
+        touched: dict[str, ParentState] = {}
+        stop_hits: list[str] = []
+        index = {rid: i for i, rid in enumerate(runner_output.req_ids)} if runner_output else {}
+        for request in updated:
+            pair = self.child_to_parent.get(request.request_id)
+            if pair is None:
+                continue
+            parent, seq = pair
+            touched[parent.request_id] = parent
+            row = index.get(request.request_id)
+            if runner_output is not None and parent.prompt_logprobs is not None and seq.index == 0:
+                self._add_prompt_logprobs(parent, runner_output.prompt_logprobs.get(request.request_id))
+            if row is not None and runner_output.sampled_token_ids[row]:
+                parent.metrics.first_token_time = parent.metrics.first_token_time or now
+                parent.metrics.last_token_time = now
+                self._add_token(seq, runner_output.sampled_token_ids[row], runner_output.logprobs[row])
+                if seq.finish_reason is None and self._check_stop_strings(seq):
+                    stop_hits.append(request.request_id)
+            if request.is_finished and seq.finish_reason is None:
+                seq.finish_reason = request.status.finish_reason
+                seq.stop_reason = request.stop_reason
+                seq.error = request.error
+            if parent.finished:
+                parent.metrics.finished_time = now
+        return list(touched.values()), stop_hits
+
+    def _add_prompt_logprobs(self, parent: ParentState, entries: list[SampledLogprobs | None] | None) -> None:
+        if not entries:
+            return
+        if entries[0] is None:  # (re)computed from position 0, e.g. after preemption
+            parent.prompt_logprobs = []
+        parent.prompt_logprobs.extend(None if e is None else self._position(e) for e in entries)
+
+    def _add_token(self, seq: SequenceState, token_ids: list[int], logprobs: SampledLogprobs | None) -> None:
+        seq.detokenizer.add_tokens(token_ids)
+        seq.text = seq.detokenizer.output_text
+        if seq.logprobs is not None and logprobs is not None:
+            seq.logprobs.append(self._position(logprobs))
+            seq.cumulative_logprob += logprobs.logprobs[0]
+
+    def _check_stop_strings(self, seq: SequenceState) -> bool:
+        params = seq.request.sampling_params
+        if not params.stop:
+            return False
+        text = seq.detokenizer.output_text
+        for stop in params.stop:
+            at = text.find(stop)
+            if at != -1:
+                seq.text = text[:at + len(stop)] if params.include_stop_str_in_output else text[:at]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return True
+        return False
+
+    def visible_text(self, seq: SequenceState) -> str:
+        """Hold back a tail that could still grow into a stop string (never shown, then retracted)."""
+        stops = seq.request.sampling_params.stop
+        if seq.finish_reason is not None or not stops:
+            return seq.text
+        hold = max(len(s) for s in stops) - 1
+        return seq.text[:max(0, len(seq.text) - hold)] if hold else seq.text
+
+    def make_output(self, parent: ParentState) -> RequestOutput:
+        outputs = [CompletionOutput(index=s.index, text=self.visible_text(s),
+                                    token_ids=list(s.request.output_token_ids),
+                                    cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
+                                    finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                   for s in parent.sequences]
+        errors = [s.error for s in parent.sequences if s.error]
+        first = parent.sequences[0].request
+        return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
+                             prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
+                             outputs=outputs, finished=parent.finished,
+                             num_cached_tokens=max(first.num_cached_tokens, 0), metrics=parent.metrics,
+                             error=errors[0] if errors else None)
+
+    def remove(self, parent: ParentState) -> None:
+        self.parents.pop(parent.request_id, None)
+        for seq in parent.sequences:
+            self.child_to_parent.pop(seq.request.request_id, None)
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a parent; returns its child ids for the core to free."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return []
+        self.remove(parent)
+        return [s.request.request_id for s in parent.sequences]

@@ -1,0 +1,64 @@
+"""Plain data the scheduler hands the runner and the runner hands back (no tensors)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllmpy.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Sent the first time a request is scheduled, and again when it resumes after preemption."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's slice of this step's flat batch."""
+
+    req_id: str
+    token_ids: list[int]  # tokens fed to the model this step
+    start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # chunk ends at the request's last known token: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)  # the runner drops their state
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SampledLogprobs:
+    """Logprobs of one position: the chosen token first, then the top-k (ids may repeat)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    chosen_rank: int  # 1-based vocabulary rank of token_ids[0]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled chunk, in the same order as SchedulerOutput.chunks."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # [] for a chunk that did not sample
+    logprobs: list[SampledLogprobs | None]  # for the sampled token, when requested
+    # Prompt logprobs computed this step: one entry per prompt position covered (None for position 0).
+    prompt_logprobs: dict[str, list[SampledLogprobs | None]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # requests that failed alone this step

@@ -1,0 +1,64 @@
+"""vllm-cli: one prompt, N completions; text on stdout, timing lines on stderr (the seed's format)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from vllmpy.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-cli", description="Run completions on a local model.")
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="0 = greedy (default: the model's generation_config, else 1.0)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1, help="load once, run N completions")
+    add_engine_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    if args.repeat < 1:
+        print("vllm-cli: --repeat must be >= 1", file=sys.stderr)
+        return 2
+    from vllmpy.entrypoints.llm import LLM
+    from vllmpy.errors import UnsupportedCheckpointError
+
+    try:
+        llm = LLM(engine_config=engine_config_from_args(args))
+        overrides = {k: v for k, v in {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                                        "min_p": args.min_p, "seed": args.seed}.items() if v is not None}
+        params = llm.get_default_sampling_params().clone(
+            max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos, **overrides)
+    except (ValueError, FileNotFoundError, UnsupportedCheckpointError) as exc:
+        print(f"vllm-cli: error: {exc}", file=sys.stderr)
+        return 2
+    for run in range(1, args.repeat + 1):
+        start = time.time()
+        t0 = time.perf_counter()
+        output = llm.generate([args.prompt], params, use_tqdm=False)[0]
+        secs = time.perf_counter() - t0
+        end = time.time()
+        completion = output.outputs[0]
+        print(completion.text, flush=True)
+        n = len(completion.token_ids)
+        tag = f"vllm-cli: run={run}/{args.repeat}"
+        print(f"{tag} finish_reason={completion.finish_reason} prompt_tokens={len(output.prompt_token_ids)} "
+              f"completion_tokens={n} secs={secs:.3f} tok_s={n / secs if secs > 0 else 0.0:.3f}", file=sys.stderr)
+        print(f"{tag} generate_start_unix={start:.6f} generate_end_unix={end:.6f}", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Engine flags shared by vllm-cli, vllm-server and vllm-bench; each binds to one EngineConfig field."""
+from __future__ import annotations
+
+import argparse
+
+from vllmpy.config import DEVICES, DTYPES, SCHEDULING_POLICIES, EngineConfig, engine_arg_names
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF directory, .gguf file, or org/repo[:QUANT] in the HF cache (default: embedded Gemma 3 270M Q4_K_M)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--revision", default=None, help="hub revision for --model org/repo")
+    g.add_argument("--download-dir", default=None, help="hub cache directory (default: HF_HOME)")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="compute dtype; auto = float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICES)} (or cuda:N)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per layer (overrides sizing)")
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="byte budget for the whole KV pool")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="automatic prefix caching")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = set(engine_arg_names())
+    return EngineConfig.from_kwargs(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,109 @@
+"""Rotary position embeddings (neox / rotate-half layout) with the scaling types HF configs name."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from vllmpy.errors import UnsupportedCheckpointError
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(config: dict, layer_type: str | None = None) -> dict:
+    """Rope settings for one layer type, from either config convention.
+
+    transformers <= 4 writes `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq`);
+    transformers 5 writes `rope_parameters`, keyed by layer type for models that mix them.
+    """
+    params = config.get("rope_parameters")
+    if params:
+        if layer_type is not None and layer_type in params:
+            params = params[layer_type]
+        elif "rope_theta" not in params:
+            params = params.get("full_attention", next(iter(params.values())))
+        return dict(params)
+    theta = config.get("rope_theta", 10000.0)
+    if layer_type == "sliding_attention" and "rope_local_base_freq" in config:
+        return {"rope_type": "default", "rope_theta": config["rope_local_base_freq"]}
+    scaling = dict(config.get("rope_scaling") or {})
+    scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+    scaling["rope_theta"] = theta
+    return scaling
+
+
+def _inv_freq(dim: int, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    base = float(params["rope_theta"])
+    # Built on the CPU explicitly: models are constructed under the meta device.
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(params["factor"]), 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, params), 1.0
+    if kind == "yarn":
+        return _yarn(dim, base, params, max_position)
+    raise UnsupportedCheckpointError(
+        f"rope scaling type {kind!r} (config rope_scaling / rope_parameters) is not supported; "
+        f"supported: {', '.join(ROPE_TYPES)}")
+
+
+def _llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(dim: int, base: float, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    factor = params["factor"]
+    original = params.get("original_max_position_embeddings") or max_position // factor
+    mscale = params.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, float(mscale)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, rotary_dim: int, params: dict, max_position: int) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: it is computed, never loaded, and survives meta construction.
+        self.inv_freq, self.attention_scaling = _inv_freq(rotary_dim, params, max_position)
+        self.rotary_dim = rotary_dim
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, dim]; rotates the first cos.shape[-1] dims (partial rotary keeps the rest)."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out

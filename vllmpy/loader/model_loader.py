@@ -1,0 +1,133 @@
+"""Resolve `--model` to a checkpoint (HF directory, .gguf file, hub repo or the default) and build
+the model on the meta device, then fill it in place."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from tqdm import tqdm
+
+from vllmpy.config import ModelConfig
+from vllmpy.errors import UnsupportedCheckpointError
+from vllmpy.loader.default_model import default_model_path
+from vllmpy.loader.hub import looks_like_repo_id, resolve_repo
+from vllmpy.models.base import CausalLM
+from vllmpy.models.registry import resolve_model_class
+from vllmpy.tokenizer import Tokenizer
+
+logger = logging.getLogger("vllmpy")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Keys that declare a feature we would otherwise silently ignore.
+_REFUSED_CONFIG_KEYS = ("quantization_config",)
+
+
+@dataclass
+class Checkpoint:
+    path: str
+    format: str  # "safetensors" | "gguf"
+    config: dict
+    tokenizer: Tokenizer
+    weights: Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]]
+    num_tensors: int
+    generation_config: dict = field(default_factory=dict)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = self.generation_config.get("eos_token_id", self.config.get("eos_token_id"))
+        ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.config.get("max_position_embeddings") or 2048)
+
+
+def resolve_model_path(config: ModelConfig) -> str:
+    if config.model is None:
+        return default_model_path()
+    if looks_like_repo_id(config.model):
+        return resolve_repo(config.model, config.revision, config.download_dir)
+    if not os.path.exists(config.model):
+        raise FileNotFoundError(f"--model {config.model!r}: no such file or directory")
+    return config.model
+
+
+def open_checkpoint(config: ModelConfig) -> Checkpoint:
+    path = resolve_model_path(config)
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return _open_gguf(path)
+    if os.path.isdir(path):
+        return _open_hf_dir(path, config.tokenizer)
+    raise UnsupportedCheckpointError(f"--model {path!r}: expected a Hugging Face directory or a .gguf file")
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _open_hf_dir(path: str, tokenizer_path: str | None) -> Checkpoint:
+    from vllmpy.loader.safetensors import SafetensorsWeights
+
+    config = _read_json(os.path.join(path, "config.json"))
+    if not config:
+        raise UnsupportedCheckpointError(f"{path}: no config.json")
+    for key in _REFUSED_CONFIG_KEYS:
+        if key in config:
+            method = (config[key] or {}).get("quant_method", "?")
+            raise UnsupportedCheckpointError(
+                f"config key {key!r} (quant_method={method!r}) is not supported for safetensors checkpoints "
+                f"yet; use an unquantized checkpoint or a GGUF file")
+    resolve_model_class(config)  # refuse an unknown architecture before touching weights
+    weights = SafetensorsWeights(path)
+    return Checkpoint(path=path, format="safetensors", config=config,
+                      tokenizer=Tokenizer.from_pretrained(tokenizer_path or path), weights=weights.iterate,
+                      num_tensors=weights.num_tensors,
+                      generation_config=_read_json(os.path.join(path, "generation_config.json")))
+
+
+def _open_gguf(path: str) -> Checkpoint:
+    from vllmpy.loader.gguf import GGUFCheckpoint
+
+    ckpt = GGUFCheckpoint(path)
+    config = ckpt.config
+    resolve_model_class(config)
+    generation = {"eos_token_id": config.get("eos_token_id")}
+    return Checkpoint(path=path, format="gguf", config=config, tokenizer=Tokenizer.from_gguf_metadata(ckpt.metadata),
+                      weights=ckpt.weights, num_tensors=ckpt.num_tensors, generation_config=generation)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: fp32 on CPU (bf16 matmul is ~70x slower there), bf16 on accelerators."""
+    if name != "auto":
+        return _DTYPES[name]
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Construct on the meta device (no memory), materialize empty, then copy weights in place."""
+    model_cls = resolve_model_class(ckpt.config)
+    with torch.device("meta"):
+        model = model_cls(ckpt.config)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    weights = tqdm(ckpt.weights(dtype), total=ckpt.num_tensors, desc="Loading weights", unit="tensor",
+                   disable=None, leave=False)
+    model.load_weights(weights)
+    return model.eval()
+

@@ -1,0 +1,76 @@
+"""Hugging Face safetensors checkpoints: single file or sharded (index.json), memory-mapped.
+
+Every shard's header is opened and checked before the first weight is read, so a missing shard,
+a truncated file or an unsupported dtype is refused before anything is loaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from vllmpy.errors import UnsupportedCheckpointError
+
+SUPPORTED_DTYPES = {"F32", "F16", "BF16"}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def shard_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.exists(os.path.join(model_dir, name)):
+                raise UnsupportedCheckpointError(
+                    f"shard {name!r} listed in {INDEX_FILE} is missing from {model_dir}")
+        return [os.path.join(model_dir, name) for name in files]
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise UnsupportedCheckpointError(f"no *.safetensors weights (or {INDEX_FILE}) in {model_dir}")
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def _header(path: str) -> dict:
+    """Parse the JSON header and check that the file holds every byte it declares."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError("header length exceeds the file")
+            header = json.loads(f.read(n))
+    except (ValueError, OSError) as exc:
+        raise UnsupportedCheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+    end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise UnsupportedCheckpointError(
+            f"{path}: truncated: the header declares {8 + n + end} bytes but the file has {size}")
+    return header
+
+
+class SafetensorsWeights:
+    """Validates all shards up front; `iterate(dtype)` then streams (name, tensor) one at a time."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.files = shard_files(model_dir)
+        self.num_tensors = 0
+        for path in self.files:
+            for name, info in _header(path).items():
+                if name == "__metadata__":
+                    continue
+                self.num_tensors += 1
+                if info["dtype"] not in SUPPORTED_DTYPES:
+                    raise UnsupportedCheckpointError(
+                        f"tensor {name!r} in {os.path.basename(path)} has dtype {info['dtype']}; "
+                        f"supported dtypes: {', '.join(sorted(SUPPORTED_DTYPES))}")
+
+    def iterate(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        for path in self.files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name).to(dtype)

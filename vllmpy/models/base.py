@@ -1,0 +1,97 @@
+"""What every model family shares: the forward contract and weight loading by parameter name."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from vllmpy.attention.base import AttentionMetadata
+from vllmpy.errors import UnsupportedCheckpointError
+from vllmpy.layers.linear import default_weight_loader
+
+# Checkpoint tensors that are derived buffers, never weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CausalLM(nn.Module):
+    """A decoder that runs one flat, mixed prefill/decode batch against a paged KV cache.
+
+    Subclasses build `self.model` (embed_tokens, layers, norm) and `self.lm_head` from a config dict
+    and map checkpoint names onto their fused parameters through `packed_modules_mapping`.
+    """
+
+    # checkpoint module name -> (our fused module name, shard id)
+    packed_modules_mapping: dict[str, tuple[str, int | str]] = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden] of every token in the flat batch."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim) of the paged cache this model needs."""
+        c = self.config
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        return c["num_hidden_layers"], c.get("num_key_value_heads") or c["num_attention_heads"], head_dim
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def checkpoint_name_to_param(self, name: str) -> tuple[str, int | str | None]:
+        """Map a checkpoint tensor name to (our parameter name, shard id)."""
+        for ckpt_module, (fused, shard) in self.packed_modules_mapping.items():
+            token = f".{ckpt_module}."
+            if token in name:
+                return name.replace(token, f".{fused}."), shard
+        return name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy every checkpoint tensor into its parameter; refuse unknown or missing tensors by name."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            if ckpt_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if self.tie_word_embeddings and ckpt_name == "lm_head.weight":
+                continue  # tied: the embedding is the head
+            name, shard = self.checkpoint_name_to_param(ckpt_name)
+            if name not in params:
+                raise UnsupportedCheckpointError(
+                    f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__} "
+                    f"(is a config key like tie_word_embeddings, attention_bias or qkv_bias wrong?)")
+            param = params[name]
+            loader = getattr(self.get_submodule(name.rsplit(".", 1)[0]), "weight_loader", None)
+            try:
+                if loader is None:
+                    default_weight_loader(param, tensor.to(param.dtype))
+                else:
+                    loader(param, tensor.to(param.dtype), shard)
+            except ValueError as exc:
+                raise UnsupportedCheckpointError(f"checkpoint tensor {ckpt_name!r}: {exc}") from None
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        self._check_all_loaded(params, loaded)
+
+    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        for name, param in params.items():
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            shards = getattr(module, "shard_offsets", {None: None}).keys()
+            for shard in shards:
+                if (name if shard is None else f"{name}#{shard}") not in loaded:
+                    missing = name if shard is None else f"{name} (shard {shard!r})"
+                    raise UnsupportedCheckpointError(
+                        f"checkpoint has no tensor for parameter {missing} of {type(self).__name__}")

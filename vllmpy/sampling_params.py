@@ -1,0 +1,86 @@
+"""vLLM's SamplingParams: same field names, same meaning, validated at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling controls. temperature 0 means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    extra_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.top_k < 0:  # vLLM accepts -1 for "disabled"
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, allowed: str) -> None:
+            raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if self.n < 1:
+            bad("n", ">= 1")
+        if self.temperature < 0:
+            bad("temperature", ">= 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", ">= 1 (or None for 'until max_model_len')")
+        if self.min_tokens < 0:
+            bad("min_tokens", ">= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "> 0")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad("logprobs", ">= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            bad("prompt_logprobs", ">= 0, or -1 for the whole vocabulary")
+        if self.logprobs is not None and self.logprobs < -1:
+            bad("logprobs", ">= 0, or -1 for the whole vocabulary")
+        if self.n > 1 and self.temperature < _GREEDY_EPS and self.seed is None:
+            pass  # vLLM allows it: every sample is the same greedy text
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self, **overrides: Any) -> "SamplingParams":
+        data = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        data.update(overrides)
+        return SamplingParams(**data)
