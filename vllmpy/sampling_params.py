@@ -67,14 +67,10 @@ class SamplingParams:
             bad("frequency_penalty", "in [-2, 2]")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", "> 0")
-        if self.logprobs is not None and self.logprobs < 0:
-            bad("logprobs", ">= 0")
         if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
             bad("prompt_logprobs", ">= 0, or -1 for the whole vocabulary")
         if self.logprobs is not None and self.logprobs < -1:
             bad("logprobs", ">= 0, or -1 for the whole vocabulary")
-        if self.n > 1 and self.temperature < _GREEDY_EPS and self.seed is None:
-            pass  # vLLM allows it: every sample is the same greedy text
 
     @property
     def greedy(self) -> bool:

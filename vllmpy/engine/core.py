@@ -10,7 +10,7 @@ from vllmpy.engine.request import Request, RequestStatus
 from vllmpy.engine.schedule_types import ModelRunnerOutput, SchedulerOutput
 from vllmpy.engine.scheduler import Scheduler
 from vllmpy.loader.model_loader import Checkpoint, build_model, open_checkpoint, resolve_device, resolve_dtype
-from vllmpy.runner.memory import available_memory_bytes, kv_bytes_per_block, resolve_num_blocks
+from vllmpy.runner.memory import CPU_AUTO_KV_CAP, available_memory_bytes, kv_bytes_per_block, resolve_num_blocks
 from vllmpy.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("vllmpy")
@@ -32,8 +32,10 @@ class EngineCore:
         block_size = config.cache.block_size
         per_block = kv_bytes_per_block(num_layers, kv_heads, head_dim, block_size,
                                        torch.tensor([], dtype=self.dtype).element_size())
-        self.num_blocks, info = resolve_num_blocks(config.cache, per_block, available_memory_bytes(self.device),
-                                                   self.max_model_len, block_size)
+        self.num_blocks, info = resolve_num_blocks(
+            config.cache, per_block, available_memory_bytes(self.device), self.max_model_len, block_size,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            cap_bytes=CPU_AUTO_KV_CAP if self.device.type == "cpu" else None)
         logger.info(info)
         self.runner = ModelRunner(self.model, self.device, self.dtype, block_size, self.num_blocks,
                                   self.vocab_size, self.eos_token_ids)

@@ -5,15 +5,30 @@ scheduler sends it once per (re)start in `new_requests` and tells it when to for
 """
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
 
 from vllmpy.attention.base import AttentionMetadata
-from vllmpy.engine.schedule_types import (ModelRunnerOutput, NewRequestData, SampledLogprobs,
-                                          SchedulerOutput)
+from vllmpy.engine.schedule_types import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vllmpy.models.base import CausalLM
-from vllmpy.sampling import RowState, Sampler, SamplingMetadata, prompt_logprobs_for_chunk
+from vllmpy.sampling import RowState, Sampler, SamplingMetadata, SamplingRowError, prompt_logprobs_for_chunk
+
+
+def allocate_kv_caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+    """Zeroed per-layer caches. On the CPU they live in one anonymous mmap: the kernel hands out
+    zero pages on first touch, so a large pool costs nothing until blocks are used (torch.zeros
+    would write every byte up front: ~8 s for 4 GiB here)."""
+    if device.type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    per_layer = math.prod(shape)
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(1, num_layers * per_layer * itemsize))
+    flat = torch.frombuffer(buffer, dtype=dtype, count=num_layers * per_layer)
+    return [flat[i * per_layer:(i + 1) * per_layer].view(shape) for i in range(num_layers)]
 
 
 @dataclass
@@ -32,8 +47,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         num_layers, kv_heads, head_dim = model.kv_cache_shape()
-        self.kv_caches = [torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
-                          for _ in range(num_layers)]
+        self.kv_caches = allocate_kv_caches(num_layers, (2, num_blocks, block_size, kv_heads, head_dim), dtype, device)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
 
@@ -135,27 +149,22 @@ class ModelRunner:
         return spans
 
     def _sample(self, so: SchedulerOutput, rows: list[int], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Sample every row; rows the sampler refuses fail alone and the rest are sampled again."""
         states = [self.requests[so.chunks[i].req_id] for i in rows]
-        try:
-            result = self.sampler(logits, SamplingMetadata.build([s.row for s in states], self.vocab_size, self.device))
-            picked = [(j, result.sampled[j: j + 1], result.logprobs[j]) for j in range(len(rows))]
-        except ValueError:
-            picked = self._sample_one_by_one(states, logits, out, [so.chunks[i].req_id for i in rows])
-        for j, token, logprobs in picked:
-            token_id = int(token[0])
+        keep = list(range(len(rows)))
+        while keep:
+            try:
+                meta = SamplingMetadata.build([states[j].row for j in keep], self.vocab_size, self.device)
+                result = self.sampler(logits[keep], meta)
+                break
+            except SamplingRowError as exc:
+                bad = {keep[r] for r in exc.rows}
+                for j in bad:
+                    out.errors[so.chunks[rows[j]].req_id] = f"sampling failed: {exc}"
+                keep = [j for j in keep if j not in bad]
+        else:
+            return
+        for pos, (j, token_id) in enumerate(zip(keep, result.sampled.tolist())):
             states[j].row.output_token_ids.append(token_id)
             out.sampled_token_ids[rows[j]] = [token_id]
-            out.logprobs[rows[j]] = logprobs
-
-    def _sample_one_by_one(self, states: list[RequestState], logits: torch.Tensor, out: ModelRunnerOutput,
-                           req_ids: list[str]) -> list[tuple[int, torch.Tensor, SampledLogprobs | None]]:
-        """A batch the sampler refused: find the offending requests so only they fail."""
-        picked = []
-        for j, state in enumerate(states):
-            try:
-                result = self.sampler(logits[j:j + 1], SamplingMetadata.build([state.row], self.vocab_size, self.device))
-            except ValueError as exc:
-                out.errors[req_ids[j]] = f"sampling failed: {exc}"
-                continue
-            picked.append((j, result.sampled, result.logprobs[0]))
-        return picked
+            out.logprobs[rows[j]] = result.logprobs[pos]
