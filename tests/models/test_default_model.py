@@ -17,7 +17,7 @@ MAX_TOKENS = 32
 @pytest.fixture(scope="module")
 def llm():
     from vllmpy import LLM
-    return LLM(dtype="float32", num_blocks=64)
+    return LLM(dtype="float32", num_blocks=64, max_model_len=1024)
 
 
 @pytest.fixture(scope="module")

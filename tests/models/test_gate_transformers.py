@@ -2,81 +2,21 @@
 tokens on 4 prompts vs transformers fp32, token for token (or near-tie), chosen logprobs within 1e-3."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
-import torch
 
 from tests.gate import GateResult, compare, reference_greedy
+from tests.tiny_models import ARCHITECTURES, make_tiny_checkpoint
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village",
            "1, 2, 3, 4, 5,"]
 MAX_TOKENS = 32
 
 
-def _base(vocab: int) -> dict:
-    return dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
-
-
-def _configs(vocab: int) -> dict:
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    base = _base(vocab)
-    return {
-        # Llama 3.1 layout: GQA, llama3 rope scaling, untied head.
-        "LlamaForCausalLM": LlamaConfig(**base, tie_word_embeddings=False, rope_theta=500000.0,
-                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-        # Sliding window shorter than prompt + output, so the window matters.
-        "MistralForCausalLM": MistralConfig(**base, sliding_window=8, tie_word_embeddings=False),
-        # qkv bias, tied embeddings.
-        "Qwen2ForCausalLM": Qwen2Config(**base, tie_word_embeddings=True),
-        # q/k norm, head_dim != hidden / heads.
-        "Qwen3ForCausalLM": Qwen3Config(**{**base, "num_key_value_heads": 1}, head_dim=32, tie_word_embeddings=True),
-        # Interleaved sliding/global layers with their own rope bases, soft-capped logits.
-        "Gemma3ForCausalLM": Gemma3TextConfig(
-            **{**base, "num_hidden_layers": 4}, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-            final_logit_softcapping=30.0, rope_theta=1000000.0, rope_local_base_freq=10000.0),
-    }
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(smollm2_tokenizer_dir):
-    return smollm2_tokenizer_dir
-
-
-def _make_checkpoint(arch: str, config, tokenizer_dir: str, out) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config.architectures = [arch]
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # wider than the default init so logits are far from uniform
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.15 if p.dim() > 1 else 0.3)
-            if p.dim() == 1 and "norm" in name and arch != "Gemma3ForCausalLM":
-                p.add_(1.0)
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        src = f"{tokenizer_dir}/{name}"
-        try:
-            shutil.copy(src, out / name)
-        except FileNotFoundError:
-            pass
-    return model
-
-
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                  "Qwen3ForCausalLM", "Gemma3ForCausalLM"])
-def test_greedy_matches_transformers(arch, tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_matches_transformers(arch, smollm2_tokenizer_dir, tmp_path):
     from vllmpy import LLM, SamplingParams
-    from vllmpy.tokenizer import Tokenizer
 
-    vocab = Tokenizer.from_pretrained(tokenizer_dir).vocab_size
-    ref_model = _make_checkpoint(arch, _configs(vocab)[arch], tokenizer_dir, tmp_path)
+    ref_model = make_tiny_checkpoint(arch, smollm2_tokenizer_dir, tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64, block_size=16)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import asdict, dataclass
 from typing import Union
 
 from vllmpy.config import EngineConfig
@@ -15,6 +16,20 @@ from vllmpy.sampling_params import SamplingParams
 PromptType = Union[str, list[int], dict]
 
 
+@dataclass
+class EngineStats:
+    """What the metrics endpoint exports: scheduler state plus token totals since start."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -22,6 +37,8 @@ class LLMEngine:
         self.tokenizer = self.core.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
 
     @property
     def default_sampling_params(self) -> SamplingParams:
@@ -56,6 +73,7 @@ class LLMEngine:
         for child in children:
             self.core.add_request(child)  # validates; raises before anything is queued for a bad prompt
         self.processor.add(request_id, text, children)
+        self.prompt_tokens_total += len(token_ids)
 
     def abort_request(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -66,6 +84,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         updated, runner_output, _ = self.core.step()
+        if runner_output is not None:
+            self.generation_tokens_total += sum(len(t) for t in runner_output.sampled_token_ids)
         parents, stop_hits = self.processor.process(updated, runner_output)
         if stop_hits:
             self.core.finish_requests(stop_hits, RequestStatus.FINISHED_STOPPED)
@@ -76,5 +96,9 @@ class LLMEngine:
                 self.processor.remove(parent)
         return outputs
 
-    def stats(self):
-        return self.core.scheduler.stats()
+    def stats(self) -> EngineStats:
+        s = asdict(self.core.scheduler.stats())
+        return EngineStats(**{k: s[k] for k in ("num_running", "num_waiting", "kv_cache_usage",
+                                                 "prefix_cache_queries", "prefix_cache_hits", "num_preemptions")},
+                           prompt_tokens_total=self.prompt_tokens_total,
+                           generation_tokens_total=self.generation_tokens_total)

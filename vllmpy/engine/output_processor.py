@@ -99,6 +99,7 @@ class OutputProcessor:
             if row is not None and runner_output.sampled_token_ids[row]:
                 parent.metrics.first_token_time = parent.metrics.first_token_time or now
                 parent.metrics.last_token_time = now
+                parent.metrics.num_generation_tokens += len(runner_output.sampled_token_ids[row])
                 self._add_token(seq, runner_output.sampled_token_ids[row], runner_output.logprobs[row])
                 if seq.finish_reason is None and self._check_stop_strings(seq):
                     stop_hits.append(request.request_id)
