@@ -48,3 +48,13 @@ def smollm2_tokenizer_dir(smollm2_gguf_path, tmp_path_factory) -> str:
 def gemma3_tokenizer_dir(gemma3_gguf_path, tmp_path_factory) -> str:
     """A real SentencePiece-style tokenizer.json (262k vocab) converted by transformers."""
     return _hf_tokenizer_dir(gemma3_gguf_path, tmp_path_factory.mktemp("gemma3_tok"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(smollm2_tokenizer_dir, tmp_path_factory) -> str:
+    """A random-weight Llama checkpoint with a real tokenizer, saved by transformers."""
+    from tests.tiny_models import make_tiny_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny_llama")
+    make_tiny_checkpoint("LlamaForCausalLM", smollm2_tokenizer_dir, out)
+    return str(out)

@@ -51,6 +51,10 @@ class EngineCore:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+        bias = request.sampling_params.logit_bias or {}
+        bad = [t for t in bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is out of range [0, {self.vocab_size})")
         room = self.max_model_len - prompt_len
         request.max_tokens = min(request.max_tokens or room, room)
         self.scheduler.add_request(request)

@@ -29,4 +29,5 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = set(engine_arg_names())
-    return EngineConfig.from_kwargs(**{k: v for k, v in vars(args).items() if k in names})
+    # An unset flag (None) keeps the config default; --seed also seeds the engine when given.
+    return EngineConfig.from_kwargs(**{k: v for k, v in vars(args).items() if k in names and v is not None})

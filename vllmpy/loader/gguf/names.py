@@ -1,0 +1,32 @@
+"""llama.cpp tensor names -> HF checkpoint names, through an architecture's tables."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from vllmpy.errors import UnsupportedCheckpointError
+from vllmpy.loader.gguf.archs import ArchSpec
+
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL = re.compile(r"(\w+)\.(weight|bias)")
+
+
+@dataclass(frozen=True)
+class TensorName:
+    key: str  # GGUF leaf.kind (`attn_q.weight`): what per-arch transforms are keyed by
+    hf: str
+
+
+def hf_name(spec: ArchSpec, name: str, num_layers: int) -> TensorName | None:
+    """The HF name of GGUF tensor `name`, or None when the architecture has no such tensor."""
+    if match := _BLOCK.fullmatch(name):
+        layer, leaf, kind = int(match[1]), match[2], match[3]
+        if leaf not in spec.layer_names:
+            return None
+        if layer >= num_layers:
+            raise UnsupportedCheckpointError(
+                f"tensor {name!r} belongs to layer {layer}, but the GGUF declares {num_layers} layers")
+        return TensorName(f"{leaf}.{kind}", f"model.layers.{layer}.{spec.layer_names[leaf]}.{kind}")
+    if (match := _GLOBAL.fullmatch(name)) and match[1] in spec.global_names:
+        return TensorName(name, f"{spec.global_names[match[1]]}.{match[2]}")
+    return None

@@ -1,0 +1,110 @@
+"""One .gguf file as an HF config, its metadata, and a stream of HF-named dequantized tensors.
+
+Everything that could stop a load (architecture, tensor types, names, metadata, shapes the
+transforms rely on) is checked when the checkpoint is opened, so `weights()` never fails half-way.
+Tensors stay memory-mapped and are dequantized one at a time.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import torch
+from gguf import GGUFReader, ReaderTensor
+
+from vllmpy.errors import UnsupportedCheckpointError
+from vllmpy.loader.gguf.archs import ArchSpec, arch_spec
+from vllmpy.loader.gguf.config import build_config
+from vllmpy.loader.gguf.metadata import ArchMetadata, decode_metadata
+from vllmpy.loader.gguf.names import hf_name
+from vllmpy.loader.gguf.quant import check_type, hf_shape, to_torch
+from vllmpy.loader.gguf.transforms import Transform
+
+
+@dataclass(frozen=True)
+class _Planned:
+    tensor: ReaderTensor
+    name: str  # HF name
+    transform: Transform | None
+
+
+class GGUFCheckpoint:
+    """A .gguf file, checked whole when opened; refusals are `UnsupportedCheckpointError`s naming the path."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        try:
+            self._metadata, self._config, self._plan = _read(self.path)
+        except UnsupportedCheckpointError as exc:
+            raise UnsupportedCheckpointError(f"{self.path}: {exc}") from None
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """A fresh copy each call, so callers may edit it."""
+        return copy.deepcopy(self._config)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """Every GGUF key/value (tokenizer.ggml.* included), decoded; shared, treat as read-only."""
+        return self._metadata
+
+    @property
+    def num_tensors(self) -> int:
+        """How many tensors `weights()` yields."""
+        return len(self._plan)
+
+    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor in HF layout) pairs, each dequantized only when reached."""
+        for planned in self._plan:
+            tensor = to_torch(planned.tensor)
+            if planned.transform is not None:
+                tensor = planned.transform(tensor, self._config)
+            yield planned.name, tensor.to(dtype)
+
+
+def _open(path: str) -> GGUFReader:
+    """The gguf reader, with its low-level failures (bad magic, truncation) turned into a named refusal."""
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, KeyError, IndexError, OverflowError, TypeError) as exc:
+        raise UnsupportedCheckpointError(f"not a readable GGUF file (gguf: {type(exc).__name__}: {exc})") from None
+
+
+def _read(path: str) -> tuple[dict[str, Any], dict[str, Any], list[_Planned]]:
+    """Metadata, config and the plan for every tensor, refusing on the first problem.
+
+    The planned tensors are views of the file mapping, which they keep open.
+    """
+    reader = _open(path)
+    metadata = decode_metadata(reader)
+    arch = metadata.get("general.architecture")
+    spec = arch_spec(arch)
+    for tensor in reader.tensors:
+        check_type(tensor)
+    by_name = {tensor.name: tensor for tensor in reader.tensors}
+    rope_freqs = by_name.get("rope_freqs.weight") if "rope_freqs.weight" in spec.config_tensors else None
+    config = build_config(spec, ArchMetadata(metadata, arch), {name: hf_shape(t) for name, t in by_name.items()},
+                          None if rope_freqs is None else to_torch(rope_freqs).numpy())
+    return metadata, config, _plan(arch, spec, reader.tensors, config)
+
+
+def _plan(arch: str, spec: ArchSpec, tensors: list[ReaderTensor], config: dict) -> list[_Planned]:
+    plan = []
+    for tensor in tensors:
+        if tensor.name in spec.config_tensors:
+            continue
+        name = hf_name(spec, tensor.name, config["num_hidden_layers"])
+        if name is None:
+            raise UnsupportedCheckpointError(
+                f"tensor {tensor.name!r} has no mapping for GGUF architecture {arch!r} "
+                f"({spec.hf_architecture}); this file is not supported")
+        transform = spec.transforms.get(name.key)
+        if transform is not None:
+            transform.check(tensor.name, hf_shape(tensor), config)
+        plan.append(_Planned(tensor, name.hf, transform))
+    return plan
+
