@@ -109,6 +109,8 @@ def _open_gguf(path: str) -> Checkpoint:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name} was requested but CUDA is not available here; use --device cpu or auto")
     return torch.device(name)
 
 
