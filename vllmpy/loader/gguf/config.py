@@ -34,8 +34,10 @@ DEFAULT_ROPE_THETA = 10000.0
 
 
 def build_config(spec: ArchSpec, meta: ArchMetadata, shapes: Mapping[str, tuple[int, ...]],
-                 rope_freqs: np.ndarray | None) -> dict[str, Any]:
-    """`shapes` maps every GGUF tensor name to its HF-order shape; `rope_freqs` is llama.cpp's rope tensor."""
+                 rope_freqs: np.ndarray | None,
+                 config_tensors: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """`shapes` maps every GGUF tensor name to its HF-order shape; `rope_freqs` is llama.cpp's rope tensor;
+    `config_tensors` the values of the spec's other config tensors present in the file."""
     config: dict[str, Any] = {"architectures": [spec.hf_architecture], "model_type": spec.model_type}
     config.update(spec.config_constants)
     for hf_key, suffix in REQUIRED_INT_KEYS.items():
@@ -43,7 +45,8 @@ def build_config(spec: ArchSpec, meta: ArchMetadata, shapes: Mapping[str, tuple[
     heads = config["num_attention_heads"]
     config["num_key_value_heads"] = meta.integer("attention.head_count_kv", heads)
     config["head_dim"] = _head_dim(spec, meta, config)
-    config["rms_norm_eps"] = meta.number("attention.layer_norm_rms_epsilon")
+    eps_key, eps_suffix = spec.norm_eps
+    config[eps_key] = meta.number(eps_suffix)
     config["vocab_size"] = _vocab_size(shapes)
     config["tie_word_embeddings"] = "output.weight" not in shapes
     config["rope_theta"] = meta.number("rope.freq_base", DEFAULT_ROPE_THETA)
@@ -57,7 +60,7 @@ def build_config(spec: ArchSpec, meta: ArchMetadata, shapes: Mapping[str, tuple[
     for hf_key, leaf in spec.tensor_flags.items():
         config[hf_key] = any(name.startswith("blk.") and name.endswith(f".{leaf}") for name in shapes)
     if spec.extra_config is not None:
-        config.update(spec.extra_config(meta, config))
+        config.update(spec.extra_config(meta, config, config_tensors or {}))
     return config
 
 

@@ -7,24 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gguf import GGUFReader
-
 from vllmpy.errors import UnsupportedCheckpointError
 
 _MISSING: Any = object()
-
-
-def decode_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Every key/value pair of the file; the reader's `GGUF.*` entries are header fields, not pairs."""
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            metadata[key] = field.contents()
-        except (ValueError, IndexError) as exc:  # bad UTF-8 included
-            raise UnsupportedCheckpointError(f"GGUF metadata key {key!r} cannot be decoded ({exc})") from None
-    return metadata
 
 
 class ArchMetadata:

@@ -4,28 +4,28 @@ from __future__ import annotations
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import ReaderTensor
 from gguf.quants import dequantize
 
 from vllmpy.errors import UnsupportedCheckpointError
+from vllmpy.loader.gguf.file import GGUFTensor
 
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
-def check_type(tensor: ReaderTensor) -> None:
+def check_type(tensor: GGUFTensor) -> None:
     if tensor.tensor_type not in SUPPORTED_TYPES:
         raise UnsupportedCheckpointError(
             f"tensor {tensor.name!r} has GGML type {tensor.tensor_type.name}, which is not supported; "
             f"supported types: {', '.join(t.name for t in SUPPORTED_TYPES)}")
 
 
-def hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+def hf_shape(tensor: GGUFTensor) -> tuple[int, ...]:
     """GGUF lists dims innermost first; HF (and numpy) outermost first: [out, in] for a linear weight."""
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
-def to_torch(tensor: ReaderTensor) -> torch.Tensor:
+def to_torch(tensor: GGUFTensor) -> torch.Tensor:
     """Dequantize to a float32 tensor in HF shape that owns its memory: the read-only file mapping is copied."""
     values = dequantize(tensor.data, tensor.tensor_type)
     values = np.require(values, dtype=np.float32, requirements=("C", "W"))

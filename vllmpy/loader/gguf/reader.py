@@ -12,14 +12,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import gguf
 import torch
-from gguf import GGUFReader, ReaderTensor
 
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.loader.gguf.archs import ArchSpec, arch_spec
 from vllmpy.loader.gguf.config import build_config
-from vllmpy.loader.gguf.metadata import ArchMetadata, decode_metadata
+from vllmpy.loader.gguf.file import GGUFTensor, read_gguf
+from vllmpy.loader.gguf.metadata import ArchMetadata
 from vllmpy.loader.gguf.names import hf_name
 from vllmpy.loader.gguf.quant import check_type, hf_shape, to_torch
 from vllmpy.loader.gguf.transforms import Transform
@@ -27,7 +26,7 @@ from vllmpy.loader.gguf.transforms import Transform
 
 @dataclass(frozen=True)
 class _Planned:
-    tensor: ReaderTensor
+    tensor: GGUFTensor
     name: str  # HF name
     transform: Transform | None
 
@@ -66,12 +65,12 @@ class GGUFCheckpoint:
             yield planned.name, tensor.to(dtype)
 
 
-def _open(path: str) -> GGUFReader:
-    """The gguf reader, with its low-level failures (bad magic, truncation) turned into a named refusal."""
+def _open(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
+    """Metadata and tensors, with low-level failures (bad magic, truncation) turned into a named refusal."""
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, KeyError, IndexError, OverflowError, TypeError) as exc:
-        raise UnsupportedCheckpointError(f"not a readable GGUF file (gguf: {type(exc).__name__}: {exc})") from None
+        return read_gguf(path)
+    except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError) as exc:
+        raise UnsupportedCheckpointError(f"not a readable GGUF file ({type(exc).__name__}: {exc})") from None
 
 
 def _read(path: str) -> tuple[dict[str, Any], dict[str, Any], list[_Planned]]:
@@ -79,20 +78,21 @@ def _read(path: str) -> tuple[dict[str, Any], dict[str, Any], list[_Planned]]:
 
     The planned tensors are views of the file mapping, which they keep open.
     """
-    reader = _open(path)
-    metadata = decode_metadata(reader)
+    metadata, tensors = _open(path)
     arch = metadata.get("general.architecture")
     spec = arch_spec(arch)
-    for tensor in reader.tensors:
+    for tensor in tensors:
         check_type(tensor)
-    by_name = {tensor.name: tensor for tensor in reader.tensors}
-    rope_freqs = by_name.get("rope_freqs.weight") if "rope_freqs.weight" in spec.config_tensors else None
+    by_name = {tensor.name: tensor for tensor in tensors}
+    if len(by_name) != len(tensors):
+        raise UnsupportedCheckpointError("the file lists a tensor name twice")
+    values = {name: to_torch(by_name[name]).numpy() for name in spec.config_tensors if name in by_name}
     config = build_config(spec, ArchMetadata(metadata, arch), {name: hf_shape(t) for name, t in by_name.items()},
-                          None if rope_freqs is None else to_torch(rope_freqs).numpy())
-    return metadata, config, _plan(arch, spec, reader.tensors, config)
+                          values.get("rope_freqs.weight"), values)
+    return metadata, config, _plan(arch, spec, tensors, config)
 
 
-def _plan(arch: str, spec: ArchSpec, tensors: list[ReaderTensor], config: dict) -> list[_Planned]:
+def _plan(arch: str, spec: ArchSpec, tensors: list[GGUFTensor], config: dict) -> list[_Planned]:
     plan = []
     for tensor in tensors:
         if tensor.name in spec.config_tensors:
