@@ -18,7 +18,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--min-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible sampling)")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--repeat", type=int, default=1, help="load once, run N completions")

@@ -25,6 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
+    g.add_argument("--seed", type=int, default=None,
+                   help="engine random seed (vllm-cli also uses it as the request's sampling seed)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -1,0 +1,332 @@
+"""Request and response bodies of the HTTP server: OpenAI's fields plus vLLM's extensions, same names.
+
+Requests check JSON types and request-shape rules here; value ranges (temperature, top_p, n, ...) are
+SamplingParams' to enforce, so each rule lives in one place. A JSON null means "not sent", and unknown
+fields are kept for the server to log rather than refused, as vLLM does.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vllmpy.entrypoints.openai.errors import RequestError
+
+_INT64 = 2**63
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_unset(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingRequest(RequestModel):
+    """Fields both generation routes share."""
+
+    model: str | None = None  # None = the served model
+    n: int = 1
+    temperature: float | None = None  # None = the checkpoint's generation_config, else 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    priority: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def check(self) -> None:
+        """Refuse field combinations no single field's type can rule out."""
+        if self.stream and self.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs is not available when stream is true", "prompt_logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options can only be set when stream is true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: list[int] | list[list[int]] | str | list[str]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    max_tokens: int | None = None  # None = until max_model_len
+    add_special_tokens: bool = True
+
+    def check(self) -> None:
+        super().check()
+        if self.suffix is not None:
+            raise RequestError("suffix is not supported", "suffix")
+
+
+class TextContentPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
+    role: str  # system, developer, user, assistant, tool, or whatever the template knows
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatRenderFields(RequestModel):
+    """What it takes to render a conversation into a prompt (chat and /tokenize share it)."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template already writes BOS and friends
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check_render(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true; "
+                               "set add_generation_prompt to false", "continue_final_message")
+
+
+class ChatCompletionRequest(SamplingRequest, ChatRenderFields):
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_tokens: int | None = None  # OpenAI's older name for max_completion_tokens
+    max_completion_tokens: int | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        super().check()
+        self.check_render()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+        if self.tool_choice not in (None, "none"):
+            raise RequestError("tool_choice other than \"none\" is not supported: this server does not parse "
+                               "tool calls", "tool_choice")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise RequestError("response_format other than {\"type\": \"text\"} is not supported",
+                               "response_format")
+
+
+class TokenizeCompletionRequest(RequestModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatRenderFields):
+    return_token_strs: bool = False
+
+
+TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------- responses
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _omitted_when_none() -> Any:
+    """A field left out of the JSON while None (stream chunks carry usage and delta parts only when set)."""
+    return Field(None, exclude_if=lambda value: value is None)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "vllmpy"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class PromptLogprob(BaseModel):
+    """One token's entry in a prompt_logprobs position, as vLLM serializes its Logprob."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt token: None for the first, else {token id: PromptLogprob}.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = _omitted_when_none()
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = _omitted_when_none()
+    content: str | None = _omitted_when_none()
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = _omitted_when_none()
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

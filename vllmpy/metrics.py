@@ -1,0 +1,114 @@
+"""Prometheus metrics with vLLM's names.
+
+Engine state (queues, KV usage, token and prefix-cache totals) is read from EngineStats at every scrape,
+so it is the state after the latest engine step. Request latencies are observed as each request's
+outputs pass through the server, one output per engine step. Each server owns its registry: no globals.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from vllmpy.engine.llm_engine import EngineStats
+from vllmpy.outputs import RequestOutput
+
+# vLLM's bucket boundaries, so dashboards built for vLLM read these histograms unchanged.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector:
+    """Gauges and counters straight from EngineStats, read when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self._stats = stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        gauges = (("vllm:num_requests_running", "Requests in the running batch.", s.num_running),
+                  ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+                  ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                   s.kv_cache_usage))
+        counters = (("vllm:prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total),
+                    ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total),
+                    ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                     s.prefix_cache_queries),
+                    ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+                    ("vllm:num_preemptions", "Preemptions (a request's blocks freed to be recomputed).",
+                     s.num_preemptions))
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
+        for name, doc, value in counters:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
+
+
+class ServerMetrics:
+    """One server's metrics: render() for GET /metrics, track() for each request it serves."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats, model_name))
+        labels = ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Seconds from arrival to the first token.",
+                              labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Seconds between a request's engine steps "
+                             "that produced tokens.", labels, buckets=ITL_BUCKETS,
+                             registry=self.registry).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Seconds from arrival to the last output.",
+                             labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self._success = Counter("vllm:request_success", "Finished sequences by finish reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self._model_name = model_name
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def count_finished(self, finish_reason: str) -> None:
+        self._success.labels(self._model_name, finish_reason).inc()
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Observes one request's latencies from the RequestOutputs relayed to its client."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._last_token_time: float | None = None
+        self._done = False
+
+    def observe(self, output: RequestOutput) -> None:
+        m = output.metrics
+        if m is not None and m.last_token_time is not None and m.last_token_time != self._last_token_time:
+            if self._last_token_time is None:
+                self._metrics.ttft.observe(m.ttft)
+            else:
+                self._metrics.itl.observe(m.last_token_time - self._last_token_time)
+            self._last_token_time = m.last_token_time
+        if output.finished and not self._done:
+            self._done = True
+            if m is not None:
+                self._metrics.e2e.observe((m.finished_time or time.time()) - m.arrival_time)
+            for completion in output.outputs:
+                self._metrics.count_finished(completion.finish_reason or "abort")
+
+    def close(self) -> None:
+        """The client left (or the server stopped) before the request finished: it was aborted."""
+        if not self._done:
+            self._done = True
+            self._metrics.count_finished("abort")
