@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 
 def smollm2_gguf() -> str | None:
@@ -58,3 +59,19 @@ def tiny_llama_dir(smollm2_tokenizer_dir, tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("tiny_llama")
     make_tiny_checkpoint("LlamaForCausalLM", smollm2_tokenizer_dir, out)
     return str(out)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_for_tiny_models(request):
+    """Tiny checkpoints (the tests that take `smollm2_tokenizer_dir`) run on one intra-op thread: their
+    64-wide matmuls gain nothing from a second, and on a shared 2-core machine OpenMP's spin-waiting
+    made them ~40x slower."""
+    if "smollm2_tokenizer_dir" not in request.fixturenames:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

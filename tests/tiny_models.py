@@ -1,13 +1,45 @@
 """Tiny random-weight checkpoints of each architecture, saved by transformers with a real tokenizer."""
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 import torch
 
+# Gate ids: an architecture name, or `name/variant` for a second config of the same family.
 ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                 "Gemma3ForCausalLM"]
+                 "Gemma3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "PhiForCausalLM", "Phi3ForCausalLM",
+                 "OPTForCausalLM", "OPTForCausalLM/post-norm", "GPT2LMHeadModel", "StableLmForCausalLM",
+                 "StableLmForCausalLM/parallel", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM",
+                 "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "InternLM3ForCausalLM"]
+# Norms that scale by (1 + w): their random weights stay near 0 rather than near 1.
+_ONE_PLUS_NORMS = {"Gemma3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM"}
+# What each id's tiny config exercises (the gate report's description column).
+DESCRIPTIONS = {
+    "LlamaForCausalLM": "GQA 4/2, llama3 rope scaling, untied head",
+    "MistralForCausalLM": "GQA 4/2, sliding window 8 on every layer",
+    "Qwen2ForCausalLM": "qkv bias, tied embeddings",
+    "Qwen3ForCausalLM": "q/k RMSNorm, head_dim 32 != hidden/heads, MQA",
+    "Gemma3ForCausalLM": "sliding 8 / global alternation with two rope bases, q/k norm, final soft-cap 30",
+    "GemmaForCausalLM": "Gemma RMSNorm, scaled embeddings, legacy hidden_act=gelu (tanh), MQA, head_dim 32",
+    "Gemma2ForCausalLM": "attention soft-cap 5, final soft-cap 10, sliding 8 / global alternation, 4 norms",
+    "PhiForCausalLM": "parallel block, partial rotary 0.5, LayerNorm, q/k LayerNorm, biases, gelu_new",
+    "Phi3ForCausalLM": "longrope long factors (prompts outgrow original context 4), partial rotary 0.75, "
+                       "sliding 16, tied",
+    "OPTForCausalLM": "learned positions (offset 2), pre-LayerNorm, ReLU, biases, tied",
+    "OPTForCausalLM/post-norm": "do_layer_norm_before=False, word_embed_proj_dim 32 (project_in/out)",
+    "GPT2LMHeadModel": "Conv1D [in, out] weights, fused c_attn, learned positions, scale by inverse layer idx",
+    "StableLmForCausalLM": "partial rotary 0.25, qkv bias, per-head q/k LayerNorm, sequential residual",
+    "StableLmForCausalLM/parallel": "parallel residual, partial rotary 0.25, no qkv bias",
+    "Olmo2ForCausalLM": "post-norms only, q/k RMSNorm over the whole projection",
+    "Olmo3ForCausalLM": "OLMo 2 block, 3 of 4 layers sliding (window 8)",
+    "GraniteForCausalLM": "embedding x12, attention x0.1, residual x0.22, logits / 8",
+    "Glm4ForCausalLM": "4 norms, interleaved partial rotary 0.5, qkv bias, fused gate_up",
+    "CohereForCausalLM": "parallel block, bias-free LayerNorm, per-head q/k norm, interleaved rope, logit_scale 0.5",
+    "Cohere2ForCausalLM": "3 sliding (window 8, rope) + 1 global (no rope) layers, logit_scale 0.5",
+    "InternLM3ForCausalLM": "Llama block via qkv_bias/bias config names (both on), head_dim 32",
+}
 
 
 def _base(vocab: int) -> dict:
@@ -17,9 +49,32 @@ def _base(vocab: int) -> dict:
 
 
 def _configs(vocab: int) -> dict:
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Cohere2Config,
+        CohereConfig,
+        Gemma2Config,
+        Gemma3TextConfig,
+        GemmaConfig,
+        Glm4Config,
+        GPT2Config,
+        GraniteConfig,
+        InternLM3Config,
+        LlamaConfig,
+        MistralConfig,
+        Olmo2Config,
+        Olmo3Config,
+        OPTConfig,
+        Phi3Config,
+        PhiConfig,
+        Qwen2Config,
+        Qwen3Config,
+        StableLmConfig,
+    )
 
     base = _base(vocab)
+    ln = {k: v for k, v in base.items() if k != "rms_norm_eps"}  # LayerNorm families state their own eps
+    opt = {"vocab_size": vocab, "hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+           "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     return {
         # Llama 3.1 layout: GQA, llama3 rope scaling, untied head.
         "LlamaForCausalLM": LlamaConfig(**base, tie_word_embeddings=False, rope_theta=500000.0,
@@ -36,6 +91,35 @@ def _configs(vocab: int) -> dict:
             **{**base, "num_hidden_layers": 4}, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
             final_logit_softcapping=30.0, rope_theta=1000000.0, rope_local_base_freq=10000.0),
+        "GemmaForCausalLM": GemmaConfig(**{**base, "num_key_value_heads": 1}, head_dim=32, hidden_act="gelu"),
+        "Gemma2ForCausalLM": Gemma2Config(**{**base, "num_hidden_layers": 4}, head_dim=32, sliding_window=8,
+                                          query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                          final_logit_softcapping=10.0),
+        "PhiForCausalLM": PhiConfig(**ln, partial_rotary_factor=0.5, qk_layernorm=True, layer_norm_eps=1e-5),
+        "Phi3ForCausalLM": Phi3Config(
+            **base, partial_rotary_factor=0.75, sliding_window=16, tie_word_embeddings=True,
+            original_max_position_embeddings=4,  # every prompt is longer: the long factors throughout
+            rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                          "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0]}),
+        # Not in ARCHITECTURES: LongRoPE's short factors under max_model_len <= 64 (tests/models/test_longrope.py)
+        "Phi3ForCausalLM/short-rope": Phi3Config(
+            **base, partial_rotary_factor=0.75, original_max_position_embeddings=64,
+            rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                          "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0]}),
+        "OPTForCausalLM": OPTConfig(**opt),
+        "OPTForCausalLM/post-norm": OPTConfig(**opt, do_layer_norm_before=False, word_embed_proj_dim=32),
+        "GPT2LMHeadModel": GPT2Config(vocab_size=vocab, n_embd=64, n_layer=3, n_head=4, n_positions=256,
+                                      bos_token_id=1, eos_token_id=2, scale_attn_by_inverse_layer_idx=True),
+        "StableLmForCausalLM": StableLmConfig(**ln, partial_rotary_factor=0.25, use_qkv_bias=True, qk_layernorm=True),
+        "StableLmForCausalLM/parallel": StableLmConfig(**ln, partial_rotary_factor=0.25, use_parallel_residual=True),
+        "Olmo2ForCausalLM": Olmo2Config(**base),
+        "Olmo3ForCausalLM": Olmo3Config(**{**base, "num_hidden_layers": 4}, sliding_window=8),
+        "GraniteForCausalLM": GraniteConfig(**base, embedding_multiplier=12.0, attention_multiplier=0.1,
+                                            residual_multiplier=0.22, logits_scaling=8.0),
+        "Glm4ForCausalLM": Glm4Config(**base, head_dim=32, pad_token_id=0),
+        "CohereForCausalLM": CohereConfig(**ln, use_qk_norm=True, logit_scale=0.5),
+        "Cohere2ForCausalLM": Cohere2Config(**{**ln, "num_hidden_layers": 4}, sliding_window=8, logit_scale=0.5),
+        "InternLM3ForCausalLM": InternLM3Config(**base, head_dim=32, qkv_bias=True, bias=True),
     }
 
 
@@ -47,12 +131,13 @@ def make_tiny_checkpoint(arch: str, tokenizer_dir: str, out: Path) -> torch.nn.M
 
     config = _configs(Tokenizer.from_pretrained(tokenizer_dir).vocab_size)[arch]
     torch.manual_seed(0)
-    config.architectures = [arch]
+    config.architectures = [arch.split("/")[0]]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # wider than the default init so logits are far from uniform
         for name, p in model.named_parameters():
-            p.normal_(0.0, 0.15 if p.dim() > 1 else 0.3)
-            if p.dim() == 1 and "norm" in name and arch != "Gemma3ForCausalLM":
+            is_norm = re.search(r"norm|\.ln_", name) is not None
+            p.normal_(0.0, 0.3 if p.dim() == 1 or is_norm else 0.15)
+            if is_norm and name.endswith("weight") and arch not in _ONE_PLUS_NORMS:
                 p.add_(1.0)
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):

@@ -23,6 +23,7 @@ class ModelConfig:
     device: str = "auto"
     max_model_len: int | None = None  # None = the checkpoint's context length
     seed: int = 0
+    logits_processors: list = field(default_factory=list)  # engine-level (batch) processors, objects or classes
 
     def validate(self) -> None:
         _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

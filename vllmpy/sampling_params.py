@@ -1,8 +1,13 @@
 """vLLM's SamplingParams: same field names, same meaning, validated at construction."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from vllmpy.structured_output.params import GuidedDecodingParams, StructuredOutputsParams
+
+__all__ = ["GuidedDecodingParams", "SamplingParams", "StructuredOutputsParams"]
 
 _GREEDY_EPS = 1e-5
 
@@ -31,6 +36,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     extra_args: dict[str, Any] = field(default_factory=dict)
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name; moved to structured_outputs
+    # Per-request (output_token_ids, logits[V]) -> logits[V], or (prompt_ids, output_ids, logits) as vLLM v0.
+    logits_processors: list[Callable[..., Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +50,11 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.top_k < 0:  # vLLM accepts -1 for "disabled"
             self.top_k = 0
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("set structured_outputs or its old name guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        self.logits_processors = list(self.logits_processors or [])
         self._validate()
 
     def _validate(self) -> None:
@@ -71,6 +85,10 @@ class SamplingParams:
             bad("prompt_logprobs", ">= 0, or -1 for the whole vocabulary")
         if self.logprobs is not None and self.logprobs < -1:
             bad("logprobs", ">= 0, or -1 for the whole vocabulary")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "a StructuredOutputsParams")
+        if not all(callable(fn) for fn in self.logits_processors):
+            bad("logits_processors", "a list of callables (output_token_ids, logits) -> logits")
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.gate import GateResult, compare, reference_greedy
-from tests.tiny_models import ARCHITECTURES, make_tiny_checkpoint
+from tests.tiny_models import ARCHITECTURES, DESCRIPTIONS, make_tiny_checkpoint
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village",
            "1, 2, 3, 4, 5,"]
@@ -13,7 +13,7 @@ MAX_TOKENS = 32
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_greedy_matches_transformers(arch, smollm2_tokenizer_dir, tmp_path):
+def test_greedy_matches_transformers(arch, smollm2_tokenizer_dir, tmp_path, gate_report):
     from vllmpy import LLM, SamplingParams
 
     ref_model = make_tiny_checkpoint(arch, smollm2_tokenizer_dir, tmp_path)
@@ -27,5 +27,6 @@ def test_greedy_matches_transformers(arch, smollm2_tokenizer_dir, tmp_path):
         our_logprobs = [pos[t].logprob for pos, t in zip(completion.logprobs, completion.token_ids)]
         compare(result, f"{arch} {prompt!r}", completion.token_ids, our_logprobs, ref_tokens, ref_logits)
     print(f"{arch} {result.summary()}")
+    gate_report(arch, result, DESCRIPTIONS.get(arch, ""), len(PROMPTS))
     assert not result.failures, "\n".join(result.failures)
     assert result.strict + result.near_tie == len(PROMPTS)

@@ -12,6 +12,8 @@ from vllmpy.engine.scheduler import Scheduler
 from vllmpy.loader.model_loader import Checkpoint, build_model, open_checkpoint, resolve_device, resolve_dtype
 from vllmpy.runner.memory import CPU_AUTO_KV_CAP, available_memory_bytes, kv_bytes_per_block, resolve_num_blocks
 from vllmpy.runner.model_runner import ModelRunner
+from vllmpy.sampling.logits_processors import resolve_logits_processors
+from vllmpy.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("vllmpy")
 
@@ -23,9 +25,11 @@ class EngineCore:
         self.checkpoint: Checkpoint = open_checkpoint(config.model)
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.max_model_len = config.model.max_model_len or self.checkpoint.max_model_len
+        # Models may depend on the serving length (LongRoPE picks its frequencies by it).
+        self.checkpoint.config["max_model_len"] = self.max_model_len
         self.model = build_model(self.checkpoint, self.dtype, self.device)
         self.tokenizer = self.checkpoint.tokenizer
-        self.max_model_len = config.model.max_model_len or self.checkpoint.max_model_len
         self.vocab_size = self.checkpoint.config["vocab_size"]
         self.eos_token_ids = self.checkpoint.eos_token_ids
         num_layers, kv_heads, head_dim = self.model.kv_cache_shape()
@@ -38,7 +42,9 @@ class EngineCore:
             cap_bytes=CPU_AUTO_KV_CAP if self.device.type == "cpu" else None)
         logger.info(info)
         self.runner = ModelRunner(self.model, self.device, self.dtype, block_size, self.num_blocks,
-                                  self.vocab_size, self.eos_token_ids)
+                                  self.vocab_size, self.eos_token_ids,
+                                  StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids),
+                                  resolve_logits_processors(config.model.logits_processors))
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks, self.max_model_len)
 
     def add_request(self, request: Request) -> None:
@@ -55,6 +61,8 @@ class EngineCore:
         bad = [t for t in bias if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if request.sampling_params.structured_outputs is not None:
+            self.runner.structured_output.validate(request.sampling_params.structured_outputs)
         room = self.max_model_len - prompt_len
         request.max_tokens = min(request.max_tokens or room, room)
         self.scheduler.add_request(request)
@@ -79,15 +87,18 @@ class EngineCore:
         for request in updated:
             if request.is_finished:
                 continue
-            status = self._check_stop(request)
+            status = self._check_stop(request, request.request_id in runner_output.grammar_terminated)
             if status is not None:
                 finished.setdefault(status, []).append(request.request_id)
         for status, ids in finished.items():
             self.scheduler.finish_requests(ids, status)
         return updated, runner_output, scheduler_output
 
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        """Token-level stops; stop strings are checked after detokenization, above the core."""
+    def _check_stop(self, request: Request, grammar_terminated: bool) -> RequestStatus | None:
+        """Token-level stops; stop strings are checked after detokenization, above the core.
+
+        A completed grammar stops the request even before min_tokens: nothing else may follow.
+        """
         if not request.output_token_ids:
             return None
         params = request.sampling_params
@@ -99,6 +110,9 @@ class EngineCore:
             if last in params.stop_token_ids:
                 request.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if grammar_terminated:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None

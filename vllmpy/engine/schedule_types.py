@@ -62,3 +62,4 @@ class ModelRunnerOutput:
     # Prompt logprobs computed this step: one entry per prompt position covered (None for position 0).
     prompt_logprobs: dict[str, list[SampledLogprobs | None]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # requests that failed alone this step
+    grammar_terminated: set[str] = field(default_factory=set)  # structured output complete: stop these

@@ -44,6 +44,9 @@ class MergedLinear(Linear):
             offset += size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None) -> None:
+        if shard_id is None:  # the checkpoint stores them fused already (Phi-3, GLM-4, GPT-2)
+            default_weight_loader(param, loaded)
+            return
         offset, size = self.shard_offsets[shard_id]
         target = param.data.narrow(0, offset, size)
         if target.shape != loaded.shape:

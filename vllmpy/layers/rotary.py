@@ -1,14 +1,19 @@
-"""Rotary position embeddings (neox / rotate-half layout) with the scaling types HF configs name."""
+"""Rotary position embeddings with the scaling types HF configs name.
+
+Two layouts: rotate-half (neox; Llama and most families) and interleaved pairs (GPT-J; Cohere, GLM-4).
+Partial rotary rotates the first `rotary_dim` dims of each head and passes the rest through.
+"""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from vllmpy.errors import UnsupportedCheckpointError
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(config: dict, layer_type: str | None = None) -> dict:
@@ -33,7 +38,13 @@ def rope_parameters(config: dict, layer_type: str | None = None) -> dict:
     return scaling
 
 
-def _inv_freq(dim: int, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
+def rotary_dim(config: dict, head_dim: int, layer_type: str | None = None) -> int:
+    """head_dim * partial_rotary_factor, from rope_parameters (transformers 5) or the top level (older configs)."""
+    factor = rope_parameters(config, layer_type).get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    return int(head_dim * (1.0 if factor is None else factor))
+
+
+def _inv_freq(dim: int, params: dict, max_position: int, serving_len: int | None) -> tuple[torch.Tensor, float]:
     base = float(params["rope_theta"])
     # Built on the CPU explicitly: models are constructed under the meta device.
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
@@ -46,6 +57,8 @@ def _inv_freq(dim: int, params: dict, max_position: int) -> tuple[torch.Tensor, 
         return _llama3(inv_freq, params), 1.0
     if kind == "yarn":
         return _yarn(dim, base, params, max_position)
+    if kind == "longrope":
+        return _longrope(dim, base, params, max_position, serving_len)
     raise UnsupportedCheckpointError(
         f"rope scaling type {kind!r} (config rope_scaling / rope_parameters) is not supported; "
         f"supported: {', '.join(ROPE_TYPES)}")
@@ -84,26 +97,69 @@ def _yarn(dim: int, base: float, params: dict, max_position: int) -> tuple[torch
     return inv_freq, float(mscale)
 
 
+def _longrope(dim: int, base: float, params: dict, max_position: int,
+              serving_len: int | None) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): per-frequency divisors, `short_factor` within the original context, `long_factor` past it.
+
+    transformers switches a sequence to the long factors when it outgrows the original context, and then
+    recomputes its whole cache. A paged cache keeps its rotated keys, so one set serves every position:
+    the long factors when sequences may outgrow the original context (serving length = max_model_len),
+    as vLLM does. Both agree with transformers on prompts longer than the original context, and on
+    sequences that stay within it under a max_model_len that does too.
+    """
+    original = params["original_max_position_embeddings"]
+    which = "long_factor" if (serving_len or max_position) > original else "short_factor"
+    factor = params.get("factor") or max_position / original
+    mscale = params.get("attention_factor") or (
+        math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0)
+    divisors = torch.tensor(params[which], dtype=torch.float32, device="cpu")
+    if divisors.numel() != dim // 2:
+        raise UnsupportedCheckpointError(
+            f"rope {which} has {divisors.numel()} entries; expected rotary_dim / 2 = {dim // 2}")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return 1.0 / (divisors * base ** exponents), float(mscale)
+
+
+class CosSin(NamedTuple):
+    """cos/sin [T, rotary_dim] in the layout `apply_rotary(x, *cos_sin)` should rotate."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool = False
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, rotary_dim: int, params: dict, max_position: int) -> None:
+    """`max_position` is the checkpoint's context (max_position_embeddings); `serving_len` the engine's
+    max_model_len, when it differs (LongRoPE picks its frequencies by it)."""
+
+    def __init__(self, rotary_dim: int, params: dict, max_position: int, interleaved: bool = False,
+                 serving_len: int | None = None) -> None:
         super().__init__()
         # A plain attribute, not a buffer: it is computed, never loaded, and survives meta construction.
-        self.inv_freq, self.attention_scaling = _inv_freq(rotary_dim, params, max_position)
+        self.inv_freq, self.attention_scaling = _inv_freq(rotary_dim, params, max_position, serving_len)
         self.rotary_dim = rotary_dim
+        self.interleaved = interleaved
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        emb = freqs.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat((freqs, freqs), dim=-1)
+        return CosSin((emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype),
+                      self.interleaved)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, dim]; rotates the first cos.shape[-1] dims (partial rotary keeps the rest)."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x: [T, heads, dim]; rotates the first cos.shape[-1] dims (partial rotary keeps the rest).
+
+    Rotate-half pairs dim i with i + rot/2; interleaved pairs 2i with 2i + 1.
+    """
     rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    if interleaved:
+        rotated = torch.stack((-x_rot[..., 1::2], x_rot[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        half = rot // 2
+        rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
     out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
     return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out

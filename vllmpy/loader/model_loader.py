@@ -46,7 +46,7 @@ class Checkpoint:
 
     @property
     def max_model_len(self) -> int:
-        return int(self.config.get("max_position_embeddings") or 2048)
+        return int(self.config.get("max_position_embeddings") or self.config.get("n_positions") or 2048)
 
 
 def resolve_model_path(config: ModelConfig) -> str:

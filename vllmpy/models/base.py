@@ -1,6 +1,7 @@
 """What every model family shares: the forward contract and weight loading by parameter name."""
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 import torch
@@ -27,6 +28,10 @@ class CausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
+    # (regex, replacement) pairs applied in order before packed_modules_mapping, for families whose
+    # checkpoints name the shared blocks differently (`self_attn.dense` -> `self_attn.o_proj`).
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
     def __init__(self, config: dict) -> None:
         super().__init__()
         self.config = config
@@ -52,6 +57,8 @@ class CausalLM(nn.Module):
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, int | str | None]:
         """Map a checkpoint tensor name to (our parameter name, shard id)."""
+        for pattern, replacement in self.checkpoint_renames:
+            name = re.sub(pattern, replacement, name)
         for ckpt_module, (fused, shard) in self.packed_modules_mapping.items():
             token = f".{ckpt_module}."
             if token in name:
@@ -87,6 +94,8 @@ class CausalLM(nn.Module):
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         for name, param in params.items():
             if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            if name in loaded:  # a fused tensor loaded whole (Phi-3's qkv_proj) fills every shard
                 continue
             module = self.get_submodule(name.rsplit(".", 1)[0])
             shards = getattr(module, "shard_offsets", {None: None}).keys()

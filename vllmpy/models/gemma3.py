@@ -4,42 +4,31 @@ q/k norm; attention scale from query_pre_attn_scalar; optional logit soft-cappin
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from vllmpy.attention.base import AttentionMetadata
 from vllmpy.layers.linear import Linear
 from vllmpy.layers.norm import GemmaRMSNorm
 from vllmpy.models.base import CausalLM
-from vllmpy.models.llama import Attention, DecoderModel, GatedMLP
+from vllmpy.models.llama import Attention, DecoderModel, GatedMLP, SandwichDecoderLayer
 
 
-def gemma3_layer_types(config: dict) -> list[str]:
+def gemma3_layer_types(config: dict, default_pattern: int = 6) -> list[str]:
     if config.get("layer_types"):
         return list(config["layer_types"])
-    pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+    pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or default_pattern
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(config["num_hidden_layers"])]
 
 
-class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: dict, layer_type: str) -> None:
-        super().__init__()
-        hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
-        self.self_attn = Attention(
+class Gemma3DecoderLayer(SandwichDecoderLayer):
+    def __init__(self, config: dict, layer_type: str, qk_norm: bool = True) -> None:
+        attention = Attention(
             config, layer_type, qkv_bias=bool(config.get("attention_bias", False)),
-            o_bias=bool(config.get("attention_bias", False)), qk_norm=GemmaRMSNorm,
+            o_bias=bool(config.get("attention_bias", False)), qk_norm=GemmaRMSNorm if qk_norm else None,
             scale=config.get("query_pre_attn_scalar", config.get("head_dim", 256)) ** -0.5,
             logit_soft_cap=config.get("attn_logit_softcapping"))
-        self.mlp = GatedMLP(hidden, config["intermediate_size"],
-                            config.get("hidden_activation") or config.get("hidden_act", "gelu_pytorch_tanh"))
-        self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-
-    def forward(self, x: torch.Tensor, cos_sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        mlp = GatedMLP(config["hidden_size"], config["intermediate_size"],
+                       config.get("hidden_activation") or config.get("hidden_act", "gelu_pytorch_tanh"))
+        super().__init__(config, attention, mlp, GemmaRMSNorm)
 
 
 class Gemma3Model(DecoderModel):
@@ -50,10 +39,14 @@ class Gemma3Model(DecoderModel):
 
 
 class Gemma3ForCausalLM(CausalLM):
+    qk_norm = True  # Gemma 2: False
+    sliding_window_pattern = 6  # every 6th layer global unless the config says otherwise (Gemma 2: 2)
+
     def __init__(self, config: dict) -> None:
         config = {"tie_word_embeddings": True, **config}
         super().__init__(config)
-        layers = [Gemma3DecoderLayer(config, kind) for kind in gemma3_layer_types(config)]
+        layers = [Gemma3DecoderLayer(config, kind, self.qk_norm)
+                  for kind in gemma3_layer_types(config, self.sliding_window_pattern)]
         self.model = Gemma3Model(config, layers, GemmaRMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6)))
         self.lm_head = Linear(config["hidden_size"], config["vocab_size"])
         self.final_logit_softcapping = config.get("final_logit_softcapping")

@@ -1,8 +1,10 @@
 """Llama family: Llama 2/3/3.1 (rope scaling, tied or untied head) and Mistral (sliding window).
 
-Qwen2 (qkv bias) and Qwen3 (q/k norm) reuse these blocks with their own knobs.
+The blocks here are shared by every dense family; each knob names the families that turn it.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -12,8 +14,17 @@ from vllmpy.attention.torch_paged import paged_attention
 from vllmpy.layers.activation import gated, get_activation
 from vllmpy.layers.linear import Linear, MergedLinear
 from vllmpy.layers.norm import RMSNorm
-from vllmpy.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from vllmpy.layers.rotary import CosSin, RotaryEmbedding, apply_rotary, rope_parameters, rotary_dim
 from vllmpy.models.base import CausalLM
+
+Norm = Callable[..., nn.Module]  # norm(shape, eps)
+
+
+def norm_eps(config: dict, default: float = 1e-6) -> float:
+    for key in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"):
+        if config.get(key) is not None:
+            return config[key]
+    return default
 
 
 def layer_types(config: dict, all_sliding: bool) -> list[str]:
@@ -26,9 +37,16 @@ def layer_types(config: dict, all_sliding: bool) -> list[str]:
 
 
 class Attention(nn.Module):
+    """qkv -> [q/k norm] -> [rotary] -> paged attention -> o.
+
+    qk_norm_layout: "shared" one [head_dim] weight for all heads (Qwen3, Gemma 3, Phi); "per_head" a
+    [heads, head_dim] weight (Cohere, StableLM); "flat" one norm over the whole projection (OLMo 2).
+    rope=False: no rotary (learned positions: GPT-2, OPT; Cohere 2's global layers).
+    """
+
     def __init__(self, config: dict, layer_type: str, qkv_bias: bool, o_bias: bool,
-                 qk_norm: type[nn.Module] | None = None, scale: float | None = None,
-                 logit_soft_cap: float | None = None) -> None:
+                 qk_norm: Norm | None = None, scale: float | None = None,
+                 logit_soft_cap: float | None = None, qk_norm_layout: str = "shared", rope: bool = True) -> None:
         super().__init__()
         hidden = config["hidden_size"]
         self.num_heads = config["num_attention_heads"]
@@ -37,24 +55,31 @@ class Attention(nn.Module):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(hidden, {"q": q, "k": kv, "v": kv}, bias=qkv_bias)
         self.o_proj = Linear(q, hidden, bias=o_bias)
-        eps = config.get("rms_norm_eps", 1e-6)
-        self.q_norm = qk_norm(self.head_dim, eps) if qk_norm else None
-        self.k_norm = qk_norm(self.head_dim, eps) if qk_norm else None
+        eps = norm_eps(config)
+        shapes = {"shared": (self.head_dim, self.head_dim), "flat": (q, kv),
+                  "per_head": ((self.num_heads, self.head_dim), (self.num_kv_heads, self.head_dim))}[qk_norm_layout]
+        self.q_norm = qk_norm(shapes[0], eps) if qk_norm else None
+        self.k_norm = qk_norm(shapes[1], eps) if qk_norm else None
+        self.qk_norm_flat = qk_norm_layout == "flat"
         self.layer_type = layer_type
+        self.rope = rope
         window = config.get("sliding_window") if layer_type == "sliding_attention" else None
         self.spec = AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim,
                                   scale=scale or self.head_dim ** -0.5, sliding_window=window,
                                   logit_soft_cap=logit_soft_cap)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos_sin: CosSin | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        if self.q_norm is not None and self.qk_norm_flat:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_flat:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        if self.rope:
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         out = paged_attention(q, k, v, kv_cache, meta, self.spec)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -70,38 +95,93 @@ class GatedMLP(nn.Module):
         return self.down_proj(gated(self.act, self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+class MLP(nn.Module):
+    """fc2(act(fc1(x))): the ungated MLP (Phi, GPT-2, OPT)."""
 
-    def __init__(self, config: dict, attention: Attention) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = True) -> None:
         super().__init__()
-        eps = config.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
-        self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
-        self.mlp = GatedMLP(config["hidden_size"], config["intermediate_size"],
-                            config.get("hidden_act", "silu"), bias=bool(config.get("mlp_bias", False)))
+        self.fc1 = Linear(hidden, intermediate, bias=bias)
+        self.fc2 = Linear(intermediate, hidden, bias=bias)
+        self.act = get_activation(act)
 
-    def forward(self, x: torch.Tensor, cos_sin, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    parallel: x + attn(norm(x)) + mlp(norm(x)) with one norm (Phi, Cohere, StableLM's parallel variant).
+    residual_multiplier scales each branch before it is added (Granite).
+    """
+
+    def __init__(self, config: dict, attention: Attention, mlp: nn.Module | None = None, norm: Norm = RMSNorm,
+                 parallel: bool = False, residual_multiplier: float = 1.0) -> None:
+        super().__init__()
+        hidden, eps = config["hidden_size"], norm_eps(config)
+        self.input_layernorm = norm(hidden, eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = None if parallel else norm(hidden, eps)
+        self.mlp = mlp or GatedMLP(hidden, config["intermediate_size"], config.get("hidden_act", "silu"),
+                                   bias=bool(config.get("mlp_bias", False)))
+        self.residual_multiplier = residual_multiplier
+
+    def forward(self, x: torch.Tensor, cos_sin: CosSin | None, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if self.post_attention_layernorm is None:
+            h = self.input_layernorm(x)
+            return x + self.self_attn(h, cos_sin, kv_cache, meta) + self.mlp(h)
+        m = self.residual_multiplier
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta) * m
+        return x + self.mlp(self.post_attention_layernorm(x)) * m
+
+
+class SandwichDecoderLayer(nn.Module):
+    """Norms on both sides of each branch: x + post(attn(pre(x))), then x + post(mlp(pre(x)))
+    (Gemma 2/3, GLM-4). pre_norms=False keeps only the post norms (OLMo 2)."""
+
+    def __init__(self, config: dict, attention: Attention, mlp: nn.Module, norm: Norm = RMSNorm,
+                 pre_norms: bool = True) -> None:
+        super().__init__()
+        hidden, eps = config["hidden_size"], norm_eps(config)
+        self.input_layernorm = norm(hidden, eps) if pre_norms else nn.Identity()
+        self.self_attn = attention
+        self.post_attention_layernorm = norm(hidden, eps)
+        self.pre_feedforward_layernorm = norm(hidden, eps) if pre_norms else nn.Identity()
+        self.mlp = mlp
+        self.post_feedforward_layernorm = norm(hidden, eps)
+
+    def forward(self, x: torch.Tensor, cos_sin: CosSin | None, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class DecoderModel(nn.Module):
-    """Embedding, layers, final norm. One rotary per layer type (they may use different bases)."""
+    """Embedding, layers, final norm. One rotary per layer type that uses rope (they may use different bases).
 
-    def __init__(self, config: dict, layers: list[nn.Module], norm: nn.Module) -> None:
+    rope_interleaved: GPT-J pair layout (Cohere, GLM-4). learned_positions: rows of a learned position
+    table added to the token embedding, read at position + position_offset (GPT-2: 0, OPT: 2).
+    """
+
+    def __init__(self, config: dict, layers: list[nn.Module], norm: nn.Module, rope_interleaved: bool = False,
+                 learned_positions: int | None = None, position_offset: int = 0) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
         self.embed_tokens.weight.requires_grad_(False)
+        self.embed_positions = None
+        if learned_positions:
+            self.embed_positions = nn.Embedding(learned_positions, config["hidden_size"])
+            self.embed_positions.weight.requires_grad_(False)
+        self.position_offset = position_offset
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         head_dim = layers[0].self_attn.head_dim
-        rotary_dim = int(head_dim * config.get("partial_rotary_factor", 1.0))
         max_pos = config.get("max_position_embeddings", 4096)
-        kinds = sorted({layer.self_attn.layer_type for layer in layers})
+        kinds = sorted({layer.self_attn.layer_type for layer in layers if layer.self_attn.rope})
         self.rotary = nn.ModuleDict({
-            kind: RotaryEmbedding(rotary_dim, rope_parameters(config, kind), max_pos) for kind in kinds})
+            kind: RotaryEmbedding(rotary_dim(config, head_dim, kind), rope_parameters(config, kind), max_pos,
+                                  rope_interleaved, config.get("max_model_len")) for kind in kinds})
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -109,9 +189,11 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed(input_ids)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(positions + self.position_offset)
         cos_sin = {kind: rotary.cos_sin(positions, x.dtype) for kind, rotary in self.rotary.items()}
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos_sin[layer.self_attn.layer_type], kv_cache, meta)
+            x = layer(x, cos_sin.get(layer.self_attn.layer_type), kv_cache, meta)
         return self.norm(x)
 
 
@@ -122,7 +204,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(config)
         kinds = layer_types(config, self.all_sliding)
         layers = [DecoderLayer(config, self.make_attention(config, kind)) for kind in kinds]
-        self.model = DecoderModel(config, layers, RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6)))
+        self.model = DecoderModel(config, layers, RMSNorm(config["hidden_size"], norm_eps(config)))
         self.lm_head = Linear(config["hidden_size"], config["vocab_size"])
         self.tie_weights()
 

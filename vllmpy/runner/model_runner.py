@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,8 @@ from vllmpy.attention.base import AttentionMetadata
 from vllmpy.engine.schedule_types import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from vllmpy.models.base import CausalLM
 from vllmpy.sampling import RowState, Sampler, SamplingMetadata, SamplingRowError, prompt_logprobs_for_chunk
+from vllmpy.sampling.logits_processors import LogitsProcessor
+from vllmpy.structured_output.manager import StructuredOutputManager
 
 
 def allocate_kv_caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype,
@@ -39,7 +42,8 @@ class RequestState:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, block_size: int,
-                 num_blocks: int, vocab_size: int, eos_token_ids: set[int]) -> None:
+                 num_blocks: int, vocab_size: int, eos_token_ids: set[int],
+                 structured_output: StructuredOutputManager, logits_processors: Sequence[LogitsProcessor] = ()) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -48,7 +52,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         num_layers, kv_heads, head_dim = model.kv_cache_shape()
         self.kv_caches = allocate_kv_caches(num_layers, (2, num_blocks, block_size, kv_heads, head_dim), dtype, device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(logits_processors)
+        self.structured_output = structured_output
         self.requests: dict[str, RequestState] = {}
 
     @property
@@ -66,6 +71,8 @@ class ModelRunner:
                 generator.manual_seed(params.seed)
             row = RowState(params, data.prompt_token_ids, list(data.output_token_ids), generator,
                            self.eos_token_ids)
+            if params.structured_outputs is not None:  # a resumed request replays its output so far
+                row.grammar = self.structured_output.new_grammar(params.structured_outputs, row.output_token_ids)
             self.requests[data.req_id] = RequestState(data, row)
 
     def _prepare(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -165,6 +172,12 @@ class ModelRunner:
         else:
             return
         for pos, (j, token_id) in enumerate(zip(keep, result.sampled.tolist())):
-            states[j].row.output_token_ids.append(token_id)
+            row, req_id = states[j].row, so.chunks[rows[j]].req_id
+            row.output_token_ids.append(token_id)
             out.sampled_token_ids[rows[j]] = [token_id]
             out.logprobs[rows[j]] = result.logprobs[pos]
+            if row.grammar is not None:
+                if not row.grammar.accept([token_id]):
+                    out.errors[req_id] = f"structured output: sampled token {token_id} rejected ({row.grammar.error})"
+                elif row.grammar.is_terminated:
+                    out.grammar_terminated.add(req_id)

@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllmpy.sampling.penalties import Penalties, build_penalties
 from vllmpy.sampling_params import SamplingParams
+from vllmpy.structured_output.bitmask import allocate_bitmask
+
+if TYPE_CHECKING:
+    from vllmpy.structured_output.grammar import Grammar
 
 
 class SamplingRowError(ValueError):
@@ -26,6 +31,7 @@ class RowState:
     output_token_ids: list[int]
     generator: torch.Generator | None  # the seeded request's own generator; None = default generator
     eos_token_ids: set[int]
+    grammar: Grammar | None = None  # the request's structured-output matcher, advanced by the runner
 
 
 @dataclass
@@ -55,10 +61,14 @@ class SamplingMetadata:
     penalties: Penalties | None
     num_logprobs: list[int | None]  # per row; -1 = whole vocabulary
     logprob_rows: torch.Tensor | None  # int64 indices of rows with num_logprobs set
+    rows: list[RowState]  # what custom logits processors read
+    processor_rows: list[int]  # rows with per-request logits processors
+    grammar_bitmask: tuple[torch.Tensor | None, torch.Tensor] | None  # (rows, None = all; int32 [R, W])
 
     @property
     def adjusts_logits(self) -> bool:
-        return self.logit_bias is not None or self.min_tokens_block is not None or self.penalties is not None
+        return (self.logit_bias is not None or self.min_tokens_block is not None or self.penalties is not None
+                or self.grammar_bitmask is not None or bool(self.processor_rows))
 
     @classmethod
     def build(cls, rows: list[RowState], vocab_size: int, device: torch.device) -> "SamplingMetadata":
@@ -74,6 +84,9 @@ class SamplingMetadata:
             penalties=build_penalties(rows, vocab_size, device),
             num_logprobs=num_logprobs,
             logprob_rows=torch.tensor(lp_rows, dtype=torch.int64, device=device) if lp_rows else None,
+            rows=rows,
+            processor_rows=[i for i, r in enumerate(rows) if r.params.logits_processors],
+            grammar_bitmask=_build_grammar_bitmask(rows, device),
         )
 
 
@@ -147,6 +160,26 @@ def _build_min_tokens(
         torch.tensor(row_idx, dtype=torch.int64, device=device),
         torch.tensor(tok_ids, dtype=torch.int64, device=device),
     )
+
+
+def _build_grammar_bitmask(
+    rows: list[RowState], device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """Masks for the constrained rows only, each filled by its matcher (native code, no vocabulary loop)."""
+    picked = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not picked:
+        return None
+    bitmask = allocate_bitmask(len(picked), rows[picked[0]].grammar.vocab_size)
+    failed = []
+    for j, i in enumerate(picked):
+        grammar = rows[i].grammar
+        grammar.fill_bitmask(bitmask, j)
+        if grammar.error is not None:
+            failed.append(i)
+    if failed:
+        raise SamplingRowError(failed, f"structured output: {rows[failed[0]].grammar.error}")
+    index = None if len(picked) == len(rows) else torch.tensor(picked, dtype=torch.int64, device=device)
+    return index, bitmask
 
 
 def _tensor_if(used: bool, values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:

@@ -1,14 +1,17 @@
 """The batched sampler: vLLM v1 order of logit processing, greedy and random rows in one batch."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from vllmpy.engine.schedule_types import SampledLogprobs
+from vllmpy.sampling.logits_processors import LogitsProcessor, apply_batch_processors, apply_request_processors
 from vllmpy.sampling.logprobs import compute_logprobs
 from vllmpy.sampling.metadata import RandomRows, SamplingMetadata, SamplingRowError
 from vllmpy.sampling.penalties import apply_penalties
+from vllmpy.structured_output.bitmask import apply_bitmask
 
 
 @dataclass
@@ -18,25 +21,36 @@ class SamplerOutput:
 
 
 class Sampler:
-    """logit_bias -> min_tokens -> penalties -> greedy argmax | temperature -> min_p -> top_k/top_p -> sample.
+    """custom processors (per request, then engine-level) -> grammar mask -> logit_bias -> min_tokens ->
+    penalties -> greedy argmax | temperature -> min_p -> top_k/top_p -> sample.
 
-    min_p comes before top_k/top_p as in vLLM v1 (it is argmax-invariant and applied with temperature);
-    the two orders differ only when top_p and min_p are both set.
+    The grammar mask follows the custom processors so no processor can re-allow a banned token; min_p
+    comes before top_k/top_p as in vLLM v1 (it is argmax-invariant and applied with temperature); the two
+    orders differ only when top_p and min_p are both set.
     """
+
+    def __init__(self, logits_processors: Sequence[LogitsProcessor] = ()) -> None:
+        self.logits_processors = list(logits_processors)  # engine-level, applied to every step
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw = logits.float()
         if raw.shape != (meta.num_rows, meta.vocab_size):
             raise ValueError(f"logits {tuple(raw.shape)} do not match metadata ({meta.num_rows}, {meta.vocab_size})")
-        processed = _adjust(raw, meta) if meta.adjusts_logits else raw
+        processed = _adjust(raw, meta, self.logits_processors) if meta.adjusts_logits or self.logits_processors else raw
         _check_rows(processed)
         sampled = _sample(processed, meta)
         return SamplerOutput(sampled=sampled, logprobs=_row_logprobs(raw, sampled, meta))
 
 
-def _adjust(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def _adjust(logits: torch.Tensor, meta: SamplingMetadata, processors: Sequence[LogitsProcessor]) -> torch.Tensor:
     """Processors that can change the argmax; never writes into the caller's tensor."""
     logits = logits.clone()
+    if meta.processor_rows:
+        apply_request_processors(logits, meta.rows, meta.processor_rows)
+    if processors:
+        logits = apply_batch_processors(logits, meta.rows, processors)
+    if meta.grammar_bitmask is not None:
+        apply_bitmask(logits, *meta.grammar_bitmask)
     if meta.logit_bias is not None:
         rows, ids, values = meta.logit_bias
         logits.index_put_((rows, ids), values, accumulate=True)

@@ -88,6 +88,11 @@ class Tokenizer:
         named = {k: tokenizers.AddedToken(v, special=True, normalized=False) for k, v in names.items() if v is not None}
         return cls(backend, named, chat_template=gguf.chat_template)
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers` object, for libraries that read the vocabulary themselves (grammar engines)."""
+        return self._backend
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 

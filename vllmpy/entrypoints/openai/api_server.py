@@ -40,10 +40,12 @@ from vllmpy.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from vllmpy.entrypoints.openai.serving_chat import create_chat_completion
+from vllmpy.entrypoints.openai.reasoning import REASONING_PARSERS
+from vllmpy.entrypoints.openai.serving_chat import NO_PARSERS, ChatParsers, create_chat_completion
 from vllmpy.entrypoints.openai.serving_completion import create_completion
 from vllmpy.entrypoints.openai.serving_engine import ServingContext
 from vllmpy.entrypoints.openai.serving_tokenization import detokenize, tokenize
+from vllmpy.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("vllmpy.server")
 
@@ -67,13 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="chat template file or inline Jinja, instead of the checkpoint's")
     parser.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
                         help="server-wide enable_thinking chat-template variable; neither flag leaves it unset")
+    parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                        help="how tool calls are read from the model's text: " + ", ".join(TOOL_PARSERS.names()))
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let the model decide when to call tools (tool_choice \"auto\", the default when a "
+                             "request sends tools); needs --tool-call-parser")
+    parser.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                        help="split reasoning_content from content: " + ", ".join(REASONING_PARSERS.names()))
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(parser)
     return parser
 
 
-def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
+def build_app(ctx: ServingContext, api_key: str | None = None, parsers: ChatParsers = NO_PARSERS) -> FastAPI:
     app = FastAPI(title="vllmpy OpenAI-compatible server", version=__version__)
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -96,7 +105,7 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
     @v1.post("/chat/completions", response_model=ChatCompletionResponse,
              description="With stream=true the answer is text/event-stream of ChatCompletionStreamResponse chunks.")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await _respond(raw, body, create_chat_completion(ctx, body))
+        return await _respond(raw, body, create_chat_completion(ctx, body, parsers))
 
     app.include_router(v1)
 
@@ -269,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         chat_template = _load_chat_template(args.chat_template)
+        parsers = ChatParsers.from_flags(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
         engine = AsyncLLM(engine_config_from_args(args))
     except (ValueError, OSError, UnsupportedCheckpointError) as exc:
         print(f"vllm-server: error: {exc}", file=sys.stderr)
@@ -277,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         names = args.served_model_name or [args.model or "default"]
         ctx = ServingContext(engine, names, engine.engine.core.checkpoint.path, chat_template=chat_template,
                              chat_template_kwargs=default_chat_template_kwargs(args))
-        config = uvicorn.Config(build_app(ctx, args.api_key), host=args.host, port=args.port,
+        config = uvicorn.Config(build_app(ctx, args.api_key, parsers), host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level, lifespan="off",
                                 timeout_graceful_shutdown=_UVICORN_SHUTDOWN_S)
         server = uvicorn.Server(config)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vllmpy.entrypoints.openai.errors import RequestError
 
@@ -119,12 +119,33 @@ class ChatRenderFields(RequestModel):
                                "set add_generation_prompt to false", "continue_final_message")
 
 
+class FunctionDefinition(RequestModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None = any object
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingRequest, ChatRenderFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_tokens: int | None = None  # OpenAI's older name for max_completion_tokens
     max_completion_tokens: int | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
@@ -132,12 +153,38 @@ class ChatCompletionRequest(SamplingRequest, ChatRenderFields):
         self.check_render()
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
-        if self.tool_choice not in (None, "none"):
-            raise RequestError("tool_choice other than \"none\" is not supported: this server does not parse "
-                               "tool calls", "tool_choice")
+        self._check_tools()
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise RequestError("response_format other than {\"type\": \"text\"} is not supported",
                                "response_format")
+
+    @property
+    def resolved_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default when unset: "auto" if tools are sent, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def _check_tools(self) -> None:
+        """tools stay plain dicts (templates render them as sent); their shape is checked here."""
+        if self.tools is not None:
+            if not self.tools:
+                raise RequestError("tools must not be an empty list; leave it out instead", "tools")
+            for i, tool in enumerate(self.tools):
+                try:
+                    ChatTool.model_validate(tool)
+                except ValidationError as exc:
+                    where = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+                    raise RequestError(f"tools[{i}] is not a function tool ({where})", "tools") from None
+        if self.tool_choice is None or self.tool_choice == "none":
+            return
+        if not self.tools:
+            raise RequestError("tool_choice needs tools: send the functions the model may call", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [tool["function"]["name"] for tool in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise RequestError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
+                                   f"in tools ({', '.join(names)})", "tool_choice")
 
 
 class TokenizeCompletionRequest(RequestModel):
@@ -271,10 +318,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning_content: str | None = _omitted_when_none()  # with --reasoning-parser
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -295,9 +354,25 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = _omitted_when_none()
+    arguments: str | None = _omitted_when_none()
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of one call: the first has id, type and name; later ones add argument text."""
+
+    index: int
+    id: str | None = _omitted_when_none()
+    type: Literal["function"] | None = _omitted_when_none()
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = _omitted_when_none()
     content: str | None = _omitted_when_none()
+    reasoning_content: str | None = _omitted_when_none()
+    tool_calls: list[DeltaToolCall] | None = _omitted_when_none()
 
 
 class ChatStreamChoice(BaseModel):
