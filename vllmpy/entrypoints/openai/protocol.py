@@ -33,6 +33,18 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(RequestModel):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow BaseModel's
+    strict: bool | None = None  # the grammar always enforces the schema exactly
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(RequestModel):
     """Fields both generation routes share."""
 
@@ -58,6 +70,13 @@ class SamplingRequest(RequestModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Output constraints; structured.py maps them and allows one per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields, checked there
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check(self) -> None:
         """Refuse field combinations no single field's type can rule out."""
@@ -146,7 +165,6 @@ class ChatCompletionRequest(SamplingRequest, ChatRenderFields):
     max_completion_tokens: int | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         super().check()
@@ -154,9 +172,6 @@ class ChatCompletionRequest(SamplingRequest, ChatRenderFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
         self._check_tools()
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise RequestError("response_format other than {\"type\": \"text\"} is not supported",
-                               "response_format")
 
     @property
     def resolved_tool_choice(self) -> str | NamedToolChoice:

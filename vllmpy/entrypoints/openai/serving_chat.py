@@ -2,7 +2,8 @@
 
 With --reasoning-parser and tool calling, each choice's text is split into reasoning_content, content and
 tool_calls by ChatOutputParser; tool_choice "required" or a named function adds a JSON-schema grammar so
-the model can only write a valid call.
+the model can only write a valid call; response_format, structured_outputs or guided_* constrain it instead
+(one constraint per request).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from vllmpy.entrypoints.openai.protocol import (
 )
 from vllmpy.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningStream
 from vllmpy.entrypoints.openai.serving_engine import EngineStream, ServingContext, check_finished, random_id, usage_info
+from vllmpy.entrypoints.openai.structured import Constraint, request_constraint
 from vllmpy.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCallStream, ToolParser
 from vllmpy.entrypoints.openai.tool_parsers.forced import (
     NamedToolParser,
@@ -121,19 +123,16 @@ class _OutputPlan:
 
     tools: ToolParser | None = None
     reasoning: ReasoningParser | None = None
-    constraint: StructuredOutputsParams | None = None  # the grammar of a forced tool call
+    constraint: Constraint | None = None  # the request's own, or the grammar of a forced tool call
     max_calls: int | None = None
 
     def new_parser(self) -> ChatOutputParser:
         return ChatOutputParser(self.reasoning, self.tools, self.max_calls)
 
     def adjust(self, params: SamplingParams) -> SamplingParams:
-        overrides: dict[str, Any] = {}
-        if self.constraint is not None:
-            overrides["structured_outputs"] = self.constraint
         if self.tools is not None and self.tools.keeps_special_tokens:
-            overrides["skip_special_tokens"] = False  # the format's markers must reach the parser
-        return params.clone(**overrides) if overrides else params
+            return params.clone(skip_special_tokens=False)  # the format's markers must reach the parser
+        return params
 
 
 def _plan(request: ChatCompletionRequest, parsers: ChatParsers, template_kwargs: Mapping[str, Any]) -> _OutputPlan:
@@ -149,20 +148,25 @@ def _plan(request: ChatCompletionRequest, parsers: ChatParsers, template_kwargs:
             schema = required_schema(request.tools, request.parallel_tool_calls)
         except ValueError as exc:
             raise RequestError(str(exc), "tools") from None
-        plan.tools, plan.constraint = RequiredToolParser(), _json_grammar(schema)
+        plan.tools, plan.constraint = RequiredToolParser(), _tool_grammar(schema)
     elif choice != "none":
         name = choice.function.name
         tool = next(t for t in request.tools if t["function"]["name"] == name)  # check() made sure it is there
-        plan.tools, plan.constraint = NamedToolParser(name), _json_grammar(named_schema(tool))
-    # A forced call's grammar leaves no room to reason, so its output is not split.
+        plan.tools, plan.constraint = NamedToolParser(name), _tool_grammar(named_schema(tool))
+    requested = request_constraint(request)
+    if requested is not None and plan.constraint is not None:
+        raise RequestError(f"{requested.field} cannot constrain the output while tool_choice forces a tool call; "
+                           "send one of them", requested.field)
+    plan.constraint = plan.constraint or requested
+    # A constrained output leaves no room to reason, so it is not split.
     if parsers.reasoning_parser is not None and plan.constraint is None:
         plan.reasoning = parsers.reasoning_parser({**template_kwargs, **(request.chat_template_kwargs or {})})
     return plan
 
 
-def _json_grammar(schema: dict[str, Any]) -> StructuredOutputsParams:
+def _tool_grammar(schema: dict[str, Any]) -> Constraint:
     # Compact JSON: free whitespace lets small models pad a call until max_tokens.
-    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    return Constraint(StructuredOutputsParams(json=schema, disable_any_whitespace=True), "tools")
 
 
 async def create_chat_completion(ctx: ServingContext, request: ChatCompletionRequest, parsers: ChatParsers = NO_PARSERS
@@ -174,14 +178,15 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     token_ids = ctx.encode(text, request.add_special_tokens, "messages")
     max_tokens_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(request, max_tokens_field)
-    # Engine messages name SamplingParams' fields; these are the chat request's names for them (a forced
-    # call's grammar is built from tools).
-    renames = {"prompt": "messages", "max_tokens": max_tokens_field, "logprobs": "top_logprobs",
-               "structured_outputs.json:": "tools"}
+    # Engine messages name SamplingParams' fields; these are the chat request's names for them.
+    renames = {"prompt": "messages", "max_tokens": max_tokens_field, "logprobs": "top_logprobs"}
+    if plan.constraint is not None:
+        renames["structured_outputs"] = plan.constraint.field
     ctx.check_max_tokens(len(token_ids), max_tokens, max_tokens_field)
-    params = plan.adjust(ctx.sampling_params(request, max_tokens=max_tokens,
-                                             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
-                                             prompt_logprobs=request.prompt_logprobs, renames=renames))
+    params = plan.adjust(ctx.sampling_params(
+        request, max_tokens=max_tokens, logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        prompt_logprobs=request.prompt_logprobs, renames=renames,
+        structured_outputs=plan.constraint.params if plan.constraint is not None else None))
     request_id = random_id("chatcmpl")
     stream = await ctx.start({"prompt": text, "prompt_token_ids": token_ids}, params, request, request_id,
                              delta=request.stream, renames=renames)

@@ -19,9 +19,8 @@ from vllmpy.entrypoints.openai.protocol import (
     CompletionStreamResponse,
 )
 from vllmpy.entrypoints.openai.serving_engine import EngineStream, ServingContext, check_finished, random_id, usage_info
+from vllmpy.entrypoints.openai.structured import request_constraint
 from vllmpy.outputs import CompletionOutput, RequestOutput
-
-_RENAMES: dict[str, str] = {}  # the completions fields carry SamplingParams' own names
 
 
 async def create_completion(ctx: ServingContext, request: CompletionRequest
@@ -35,14 +34,18 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest
     engine_prompt_logprobs = request.prompt_logprobs
     if engine_prompt_logprobs is None and request.echo and request.logprobs is not None:
         engine_prompt_logprobs = request.logprobs
+    constraint = request_constraint(request)
+    # The completions fields carry SamplingParams' own names, but for the constraint's source.
+    renames = {"structured_outputs": constraint.field} if constraint is not None else {}
     params = ctx.sampling_params(request, max_tokens=request.max_tokens, logprobs=request.logprobs,
-                                 prompt_logprobs=engine_prompt_logprobs, renames=_RENAMES)
+                                 prompt_logprobs=engine_prompt_logprobs, renames=renames,
+                                 structured_outputs=constraint.params if constraint is not None else None)
     request_id = random_id("cmpl")
     streams: list[EngineStream] = []
     try:
         for i, prompt in enumerate(prompts):
             streams.append(await ctx.start(prompt, params, request, f"{request_id}-{i}", delta=request.stream,
-                                           renames=_RENAMES))
+                                           renames=renames))
     except BaseException:
         for stream in streams:
             await stream.aclose()

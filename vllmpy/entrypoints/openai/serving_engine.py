@@ -14,7 +14,7 @@ from vllmpy.entrypoints.openai.errors import RequestError
 from vllmpy.entrypoints.openai.protocol import ChatMessage, ChatRenderFields, SamplingRequest, UsageInfo
 from vllmpy.metrics import RequestTracker, ServerMetrics
 from vllmpy.outputs import RequestOutput
-from vllmpy.sampling_params import SamplingParams
+from vllmpy.sampling_params import SamplingParams, StructuredOutputsParams
 from vllmpy.tokenizer import ChatTemplateError, Tokenizer
 from vllmpy.tokenizer.chat_template import RESERVED_KWARGS
 
@@ -91,7 +91,8 @@ class ServingContext:
             raise RequestError(str(exc), "messages") from exc
 
     def sampling_params(self, request: SamplingRequest, *, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None, renames: dict[str, str]) -> SamplingParams:
+                        prompt_logprobs: int | None, renames: dict[str, str],
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """The request's SamplingParams; a value out of range is refused naming the request's field."""
         model_defaults = {k: getattr(self.default_params, k) for k in _MODEL_DEFAULTS}
         sent = {k: v for k in _MODEL_DEFAULTS if (v := getattr(request, k)) is not None}
@@ -104,7 +105,8 @@ class ServingContext:
                 min_tokens=request.min_tokens, ignore_eos=request.ignore_eos, max_tokens=max_tokens,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=request.skip_special_tokens,
-                include_stop_str_in_output=request.include_stop_str_in_output)
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                structured_outputs=structured_outputs)
         except ValueError as exc:
             raise RequestError(str(exc), _param_of(str(exc), request, renames)) from exc
 
@@ -193,8 +195,9 @@ def check_finished(output: RequestOutput) -> None:
 
 
 def _param_of(message: str, request: SamplingRequest, renames: dict[str, str]) -> str | None:
-    """SamplingParams and the engine start their messages with the field at fault."""
-    word = message.split(" ", 1)[0]
+    """SamplingParams and the engine start their messages with the field at fault (or a part of it, as
+    "structured_outputs.json:", which is looked up as its field)."""
+    word = message.split(" ", 1)[0].rstrip(":").split(".", 1)[0]
     if word in renames:
         return renames[word]
     return word if word in type(request).model_fields else None
