@@ -6,19 +6,17 @@ prefix cache. Progress on stderr, results (a markdown table) on stdout.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
 
 from vllmpy import LLM, SamplingParams
+from vllmpy.entrypoints.bench.prompts import random_token_prompts, usable_token_ids
 
 
 def random_prompts(llm: LLM, count: int, length: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    special = llm.get_tokenizer().all_special_ids
-    vocab = [t for t in range(min(llm.get_tokenizer().vocab_size, 30000)) if t not in special]
-    return [{"prompt_token_ids": [rng.choice(vocab) for _ in range(length)]} for _ in range(count)]
+    vocab = usable_token_ids(llm.get_tokenizer(), llm.engine.core.vocab_size)
+    return [{"prompt_token_ids": ids} for ids in random_token_prompts(vocab, count, length, seed)]
 
 
 def output_throughput(llm: LLM, batch: int, input_len: int, output_len: int) -> float:

@@ -1,0 +1,130 @@
+"""What bounds the numbers: the machine (cores, memory, CPU flags, load), its measured memory read
+bandwidth, and the weight bytes one decode step must read, hence the bandwidth limit on batch-1 decode."""
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+# Vector/matrix extensions that decide which CPU kernels engines can use.
+INTERESTING_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
+                     "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd",
+                     "sve")
+
+
+def _cpuinfo() -> dict[str, str]:
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return info
+
+
+def _mem_total_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("nan")
+
+
+def machine_facts() -> dict[str, str]:
+    cpu = _cpuinfo()
+    flags = set((cpu.get("flags") or cpu.get("Features") or "").split())
+    return {
+        "cpu": cpu.get("model name") or platform.processor() or platform.machine(),
+        "cores": str(os.cpu_count()),
+        "memory": f"{_mem_total_gib():.1f} GiB",
+        "flags": " ".join(f for f in INTERESTING_FLAGS if f in flags) or "unknown",
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch threads": str(torch.get_num_threads()),
+    }
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def _processes() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds used so far), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+class ForeignCpu:
+    """Cores that processes other than this one and its children kept busy between start() and stop():
+    the load average cannot tell a benchmark's own threads from a neighbour's."""
+
+    def __init__(self) -> None:
+        self._before = _processes()
+        self._start = time.monotonic()
+
+    def stop(self) -> float:
+        after = _processes()
+        ours = {os.getpid()}
+        for _ in range(4):  # children of children (a server's workers)
+            ours |= {pid for pid, (parent, _) in after.items() if parent in ours}
+        used = sum(cpu - self._before.get(pid, (0, 0.0))[1] for pid, (_, cpu) in after.items() if pid not in ours)
+        return max(used, 0.0) / (time.monotonic() - self._start)
+
+
+def memory_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s of the best of `repeats` full reads (a sum) of a `gib` GiB fp32 tensor with torch's threads:
+    the same threads and memory path a decode step reads its weights through."""
+    data = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
+
+
+def torch_weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of parameters one decode step reads: every parameter once, except an untied input embedding
+    table, of which a step reads one row."""
+    seen, total = set(), 0
+    embed = None
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.data_ptr() in seen:
+            continue
+        seen.add(param.data_ptr())
+        total += param.numel() * param.element_size()
+        if name.endswith("embed_tokens.weight"):
+            embed = param
+    lm_head = getattr(model, "lm_head", None)
+    tied = embed is not None and lm_head is not None and lm_head.weight.data_ptr() == embed.data_ptr()
+    if embed is not None and not tied:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def gguf_weight_bytes_per_token(path: str) -> int:
+    """The same for a GGUF read as stored (quantized blocks): token_embd counts only when it is also the
+    output head (no output.weight)."""
+    from vllmpy.loader.gguf.file import read_gguf
+
+    tensors = {t.name: t.data.nbytes for t in read_gguf(path)[1]}
+    total = sum(tensors.values())
+    return total - tensors.get("token_embd.weight", 0) if "output.weight" in tensors else total

