@@ -38,16 +38,24 @@ def value_end(text: str, i: int) -> int | None:
         if scalar is None:
             raise ToolSyntaxError(f"expected a JSON value at {text[i:i + 10]!r}")
         return scalar.end() if scalar.end() < len(text) else None  # a number may still grow
+    return balanced_end(text, i, _STRUCTURAL, _STRING, "{[")
+
+
+def balanced_end(text: str, i: int, structural: re.Pattern, string: re.Pattern, openers: str) -> int | None:
+    """Index just past the bracket closing the one at text[i], skipping strings; None while text ends first.
+
+    `structural` finds quotes and brackets, `string` matches a whole string literal at a quote.
+    """
     depth = 0
     j = i
-    while (mark := _STRUCTURAL.search(text, j)) is not None:
+    while (mark := structural.search(text, j)) is not None:
         j = mark.end()
-        if mark.group() == '"':
-            string = _STRING.match(text, mark.start())
-            if string is None:
+        if mark.group() in "'\"":
+            literal = string.match(text, mark.start())
+            if literal is None:
                 return None
-            j = string.end()
-        elif mark.group() in "{[":
+            j = literal.end()
+        elif mark.group() in openers:
             depth += 1
         else:
             depth -= 1

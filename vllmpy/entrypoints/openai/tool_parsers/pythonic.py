@@ -12,7 +12,7 @@ import re
 
 from vllmpy.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from vllmpy.entrypoints.openai.tool_parsers.base import CallDraft, SectionToolParser, ToolSyntaxError
-from vllmpy.entrypoints.openai.tool_parsers.json_text import skip_ws
+from vllmpy.entrypoints.openai.tool_parsers.json_text import balanced_end, skip_ws
 
 PYTHON_START = "<|python_start|>"
 _NAME = re.compile(r"[A-Za-z_]\w*")
@@ -43,7 +43,7 @@ class PythonicToolParser(SectionToolParser):
                 return calls + [CallDraft(None)]
             if text[k] != "(":
                 raise ToolSyntaxError(f"expected '(' after {name.group()!r}")
-            end = _closing_paren(text, k)
+            end = balanced_end(text, k, _PY_STRUCTURAL, _PY_STRING, "([{")
             if end is None:
                 return calls + [CallDraft(name.group())]
             calls.append(CallDraft(name.group(), _arguments(text[j:end]), complete=True))
@@ -53,26 +53,6 @@ class PythonicToolParser(SectionToolParser):
             elif j < len(text) and text[j] != "]":
                 raise ToolSyntaxError(f"expected ',' or ']' at {text[j:j + 10]!r}")
         return calls
-
-
-def _closing_paren(text: str, i: int) -> int | None:
-    """Index just past the ')' matching text[i] == '(', or None while the text ends first."""
-    depth = 0
-    j = i
-    while (mark := _PY_STRUCTURAL.search(text, j)) is not None:
-        j = mark.end()
-        if mark.group() in "'\"":
-            string = _PY_STRING.match(text, mark.start())
-            if string is None:
-                return None
-            j = string.end()
-        elif mark.group() in "([{":
-            depth += 1
-        else:
-            depth -= 1
-            if depth == 0:
-                return j
-    return None
 
 
 def _arguments(call_text: str) -> str:
