@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -104,7 +105,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict, 
         return result
     result.e2e = time.perf_counter() - start
     result.ttft = arrivals[0] - start
-    result.itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    result.itl = [b - a for a, b in itertools.pairwise(arrivals)]
     result.output_tokens = usage["completion_tokens"] if usage else len(arrivals)
     result.prompt_tokens = usage["prompt_tokens"] if usage else prompt_tokens
     return result
