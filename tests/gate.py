@@ -53,3 +53,18 @@ def compare(result: GateResult, label: str, ours: list[int], our_logprobs: list[
             result.failures.append(f"{label}: step {step}: logprob {our_logprobs[step]:.5f} vs {float(ref_logprobs[step, b]):.5f}")
             return
     result.strict += 1
+
+
+def gate_llm(llm, reference, prompts: list[str], max_tokens: int, label: str) -> GateResult:
+    """Greedy `max_tokens` on every prompt with vllmpy and with the transformers `reference`, compared."""
+    from vllmpy import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    result = GateResult()
+    for output in llm.generate(prompts, params, use_tqdm=False):
+        ref_tokens, ref_logits = reference_greedy(reference, output.prompt_token_ids, max_tokens)
+        completion = output.outputs[0]
+        logprobs = [pos[t].logprob for pos, t in zip(completion.logprobs, completion.token_ids)]
+        compare(result, f"{label} {output.prompt!r}", completion.token_ids, logprobs, ref_tokens, ref_logits)
+    print(f"{label} {result.summary()}")
+    return result

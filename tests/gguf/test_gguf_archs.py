@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf import MODEL_ARCH
 
-from tests.gate import GateResult, compare, reference_greedy
+from tests.gate import gate_llm
 from tests.gguf.test_gguf_loader import _llama_cpp_permute
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4, 5,"]
@@ -227,19 +227,12 @@ def _tiny(name: str, vocab: dict, out: Path):
 
 @pytest.mark.parametrize("name", sorted(GGUF_ARCH))
 def test_gguf_greedy_matches_transformers(name, vocab, tmp_path):
-    from vllmpy import LLM, SamplingParams
+    from vllmpy import LLM
 
     reference, path = _tiny(name, vocab, tmp_path)
     llm = LLM(model=str(path), dtype="float32", num_blocks=32, block_size=16, max_model_len=256)
     assert llm.engine.core.checkpoint.config["architectures"] == reference.config.architectures
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    result = GateResult()
-    for output in llm.generate(PROMPTS, params, use_tqdm=False):
-        ref_tokens, ref_logits = reference_greedy(reference, output.prompt_token_ids, MAX_TOKENS)
-        completion = output.outputs[0]
-        logprobs = [pos[t].logprob for pos, t in zip(completion.logprobs, completion.token_ids)]
-        compare(result, f"{name} {output.prompt!r}", completion.token_ids, logprobs, ref_tokens, ref_logits)
-    print(f"gguf {name} {result.summary()}")
+    result = gate_llm(llm, reference, PROMPTS, MAX_TOKENS, f"gguf {name}")
     assert not result.failures, "\n".join(result.failures)
     assert result.strict + result.near_tie == len(PROMPTS)
 

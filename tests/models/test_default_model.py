@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.gate import LOGPROB_TOL, GateResult, compare, reference_greedy
+from tests.gate import LOGPROB_TOL, gate_llm
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "The three primary colors are",
            "Water boils at a temperature of"]
@@ -29,16 +29,7 @@ def reference(gemma3_gguf_path):
 
 
 def test_default_model_greedy_matches_transformers(llm, reference):
-    from vllmpy import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    result = GateResult()
-    for output in llm.generate(PROMPTS, params, use_tqdm=False):
-        ref_tokens, ref_logits = reference_greedy(reference, output.prompt_token_ids, MAX_TOKENS)
-        completion = output.outputs[0]
-        lps = [pos[t].logprob for pos, t in zip(completion.logprobs, completion.token_ids)]
-        compare(result, output.prompt, completion.token_ids, lps, ref_tokens, ref_logits)
-    print(result.summary())
+    result = gate_llm(llm, reference, PROMPTS, MAX_TOKENS, "default model")
     assert not result.failures, "\n".join(result.failures)
     assert result.strict + result.near_tie == len(PROMPTS)
 

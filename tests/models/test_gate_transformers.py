@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gate import GateResult, compare, reference_greedy
+from tests.gate import gate_llm
 from tests.tiny_models import ARCHITECTURES, DESCRIPTIONS, make_tiny_checkpoint
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village",
@@ -14,19 +14,11 @@ MAX_TOKENS = 32
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_matches_transformers(arch, smollm2_tokenizer_dir, tmp_path, gate_report):
-    from vllmpy import LLM, SamplingParams
+    from vllmpy import LLM
 
     ref_model = make_tiny_checkpoint(arch, smollm2_tokenizer_dir, tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=64, block_size=16)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    result = GateResult()
-    for prompt, output in zip(PROMPTS, outputs):
-        ref_tokens, ref_logits = reference_greedy(ref_model, output.prompt_token_ids, MAX_TOKENS)
-        completion = output.outputs[0]
-        our_logprobs = [pos[t].logprob for pos, t in zip(completion.logprobs, completion.token_ids)]
-        compare(result, f"{arch} {prompt!r}", completion.token_ids, our_logprobs, ref_tokens, ref_logits)
-    print(f"{arch} {result.summary()}")
+    result = gate_llm(llm, ref_model, PROMPTS, MAX_TOKENS, arch)
     gate_report(arch, result, DESCRIPTIONS.get(arch, ""), len(PROMPTS))
     assert not result.failures, "\n".join(result.failures)
     assert result.strict + result.near_tie == len(PROMPTS)

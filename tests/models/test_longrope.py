@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.gate import GateResult, compare, reference_greedy
+from tests.gate import gate_llm
 from tests.models.test_gate_transformers import PROMPTS
 from tests.tiny_models import make_tiny_checkpoint
 from vllmpy.layers.rotary import RotaryEmbedding
@@ -24,17 +24,10 @@ def test_factor_set_follows_the_serving_length():
 
 
 def test_short_factors_within_the_original_context_match_transformers(smollm2_tokenizer_dir, tmp_path):
-    from vllmpy import LLM, SamplingParams
+    from vllmpy import LLM
 
     reference = make_tiny_checkpoint("Phi3ForCausalLM/short-rope", smollm2_tokenizer_dir, tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", num_blocks=16, block_size=16, max_model_len=64)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    result = GateResult()
-    for output in llm.generate(PROMPTS, params, use_tqdm=False):
-        ref_tokens, ref_logits = reference_greedy(reference, output.prompt_token_ids, MAX_TOKENS)
-        completion = output.outputs[0]
-        logprobs = [pos[t].logprob for pos, t in zip(completion.logprobs, completion.token_ids)]
-        compare(result, output.prompt, completion.token_ids, logprobs, ref_tokens, ref_logits)
-    print(f"Phi3 short-rope {result.summary()}")
+    result = gate_llm(llm, reference, PROMPTS, MAX_TOKENS, "Phi3 short-rope")
     assert not result.failures, "\n".join(result.failures)
     assert result.strict + result.near_tie == len(PROMPTS)

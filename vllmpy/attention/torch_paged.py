@@ -48,9 +48,20 @@ def _gather_seq(kv_cache: torch.Tensor, meta: AttentionMetadata, row: int,
     return keys, values
 
 
+def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a: [..., kv_heads, group, M, K] @ b: [..., kv_heads, K, N] → [..., kv_heads, group, M, N].
+
+    The query heads sharing a KV head are folded into the rows, so K/V are never broadcast (a
+    broadcast matmul would materialize a copy of them per query head).
+    """
+    *lead, group, rows, inner = a.shape
+    out = torch.matmul(a.reshape(*lead, group * rows, inner), b)
+    return out.view(*lead, group, rows, out.shape[-1])
+
+
 def _scores(q: torch.Tensor, keys: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """q: [..., kv_heads, group, Lq, dim], keys: [..., kv_heads, Lk, dim] → scores [..., kv_heads, group, Lq, Lk]."""
-    scores = torch.matmul(q, keys.unsqueeze(-3).transpose(-1, -2)) * spec.scale
+    scores = _grouped_matmul(q, keys.transpose(-1, -2)) * spec.scale
     if spec.logit_soft_cap:
         scores = torch.tanh(scores / spec.logit_soft_cap) * spec.logit_soft_cap
     return scores
@@ -74,7 +85,7 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len:
     scores = _scores(qh, keys.transpose(0, 1).to(q.dtype), spec)  # [kvh, g, Lq, Lk]
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.matmul(probs, values.transpose(0, 1).to(q.dtype).unsqueeze(1))  # [kvh, g, Lq, d]
+    out = _grouped_matmul(probs, values.transpose(0, 1).to(q.dtype))  # [kvh, g, Lq, d]
     return out.permute(2, 0, 1, 3).reshape(q_len, spec.num_heads, -1)
 
 
@@ -121,5 +132,5 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, index: dict, spec: Attentio
     scores = _scores(qh, keys, spec)  # [B, kvh, g, 1, L]
     scores = scores.masked_fill(~index["visible"][:, None, None, None, :], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.matmul(probs, values.unsqueeze(2))  # [B, kvh, g, 1, d]
+    out = _grouped_matmul(probs, values)  # [B, kvh, g, 1, d]
     return out.reshape(batch, spec.num_heads, dim)

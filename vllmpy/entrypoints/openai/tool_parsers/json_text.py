@@ -41,6 +41,16 @@ def value_end(text: str, i: int) -> int | None:
     return balanced_end(text, i, _STRUCTURAL, _STRING, "{[")
 
 
+def next_item(text: str, end: int) -> int:
+    """Where the next element of a list starts after an element ending at `end` (or where `]` is)."""
+    j = skip_ws(text, end)
+    if text.startswith(",", j):
+        return skip_ws(text, j + 1)
+    if j < len(text) and text[j] != "]":
+        raise ToolSyntaxError(f"expected ',' or ']' at {text[j:j + 10]!r}")
+    return j
+
+
 def balanced_end(text: str, i: int, structural: re.Pattern, string: re.Pattern, openers: str) -> int | None:
     """Index just past the bracket closing the one at text[i], skipping strings; None while text ends first.
 
@@ -136,9 +146,5 @@ def calls_in_array(text: str, i: int, argument_keys: tuple[str, ...]) -> list[Ca
         calls.append(call)
         if end is None:
             break
-        j = skip_ws(text, end)
-        if text.startswith(",", j):
-            j = skip_ws(text, j + 1)
-        elif j < len(text) and text[j] != "]":
-            raise ToolSyntaxError(f"expected ',' or ']' at {text[j:j + 10]!r}")
+        j = next_item(text, end)
     return calls

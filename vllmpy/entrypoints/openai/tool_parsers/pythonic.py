@@ -12,7 +12,7 @@ import re
 
 from vllmpy.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from vllmpy.entrypoints.openai.tool_parsers.base import CallDraft, SectionToolParser, ToolSyntaxError
-from vllmpy.entrypoints.openai.tool_parsers.json_text import balanced_end, skip_ws
+from vllmpy.entrypoints.openai.tool_parsers.json_text import balanced_end, next_item, skip_ws
 
 PYTHON_START = "<|python_start|>"
 _NAME = re.compile(r"[A-Za-z_]\w*")
@@ -47,11 +47,7 @@ class PythonicToolParser(SectionToolParser):
             if end is None:
                 return calls + [CallDraft(name.group())]
             calls.append(CallDraft(name.group(), _arguments(text[j:end]), complete=True))
-            j = skip_ws(text, end)
-            if text.startswith(",", j):
-                j = skip_ws(text, j + 1)
-            elif j < len(text) and text[j] != "]":
-                raise ToolSyntaxError(f"expected ',' or ']' at {text[j:j + 10]!r}")
+            j = next_item(text, end)
         return calls
 
 
