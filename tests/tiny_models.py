@@ -12,7 +12,8 @@ ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
                  "Gemma3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "PhiForCausalLM", "Phi3ForCausalLM",
                  "OPTForCausalLM", "OPTForCausalLM/post-norm", "GPT2LMHeadModel", "StableLmForCausalLM",
                  "StableLmForCausalLM/parallel", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GraniteForCausalLM",
-                 "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "InternLM3ForCausalLM"]
+                 "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "InternLM3ForCausalLM",
+                 "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
 # Norms that scale by (1 + w): their random weights stay near 0 rather than near 1.
 _ONE_PLUS_NORMS = {"Gemma3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM"}
 # What each id's tiny config exercises (the gate report's description column).
@@ -39,6 +40,11 @@ DESCRIPTIONS = {
     "CohereForCausalLM": "parallel block, bias-free LayerNorm, per-head q/k norm, interleaved rope, logit_scale 0.5",
     "Cohere2ForCausalLM": "3 sliding (window 8, rope) + 1 global (no rope) layers, logit_scale 0.5",
     "InternLM3ForCausalLM": "Llama block via qkv_bias/bias config names (both on), head_dim 32",
+    "MixtralForCausalLM": "8 experts, top-2 renormalized, GQA 4/2, sliding window 8",
+    "Qwen2MoeForCausalLM": "8 experts top-2 (norm_topk_prob off) + sigmoid-gated shared expert, "
+                           "layer 1 dense (mlp_only_layers), qkv bias",
+    "Qwen3MoeForCausalLM": "8 experts top-3 (norm_topk_prob on), decoder_sparse_step 2 (layers 1, 3 sparse), "
+                           "q/k RMSNorm",
 }
 
 
@@ -61,13 +67,16 @@ def _configs(vocab: int) -> dict:
         InternLM3Config,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Olmo2Config,
         Olmo3Config,
         OPTConfig,
         Phi3Config,
         PhiConfig,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
+        Qwen3MoeConfig,
         StableLmConfig,
     )
 
@@ -120,6 +129,13 @@ def _configs(vocab: int) -> dict:
         "CohereForCausalLM": CohereConfig(**ln, use_qk_norm=True, logit_scale=0.5),
         "Cohere2ForCausalLM": Cohere2Config(**{**ln, "num_hidden_layers": 4}, sliding_window=8, logit_scale=0.5),
         "InternLM3ForCausalLM": InternLM3Config(**base, head_dim=32, qkv_bias=True, bias=True),
+        # Sparse MoE: enough experts that routing differs token to token.
+        "MixtralForCausalLM": MixtralConfig(**base, num_local_experts=8, num_experts_per_tok=2, sliding_window=8),
+        "Qwen2MoeForCausalLM": Qwen2MoeConfig(**base, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=96, mlp_only_layers=[1]),
+        "Qwen3MoeForCausalLM": Qwen3MoeConfig(**{**base, "num_hidden_layers": 4}, num_experts=8,
+                                              num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+                                              decoder_sparse_step=2),
     }
 
 

@@ -1,10 +1,12 @@
 """vllmpy: vLLM's behaviour and API in a Python codebase you can read in an afternoon."""
-from vllmpy.outputs import CompletionOutput, Logprob, RequestOutput
+from vllmpy.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "PoolingParams",
+           "EmbeddingRequestOutput", "EmbeddingOutput", "__version__"]
 
 
 def __getattr__(name: str):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+TASKS = ("auto", "generate", "embed")  # auto: the architecture's own (BertModel, LlamaModel, ... embed)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -24,8 +25,10 @@ class ModelConfig:
     max_model_len: int | None = None  # None = the checkpoint's context length
     seed: int = 0
     logits_processors: list = field(default_factory=list)  # engine-level (batch) processors, objects or classes
+    task: str = "auto"
 
     def validate(self) -> None:
+        _require(self.task in TASKS, f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
         _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.device in DEVICES or self.device.startswith("cuda:"),
                  f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from vllmpy.engine.llm_engine import EngineStats
@@ -55,11 +55,17 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    """One server's metrics: render() for GET /metrics, track() for each request it serves."""
+    """One server's metrics: render() for GET /metrics, track() for each request it serves. `info` maps gauge
+    names to labels that describe the engine's fixed configuration; each is exported with the value 1
+    (Prometheus' info idiom, as vLLM's vllm:cache_config_info) so clients can read how the server runs."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str,
+                 info: dict[str, dict[str, str]] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats, model_name))
+        for name, labels in (info or {}).items():
+            Gauge(name, "Engine configuration, as labels.", list(labels), registry=self.registry).labels(
+                **labels).set(1)
         labels = ["model_name"]
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Seconds from arrival to the first token.",
                               labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)

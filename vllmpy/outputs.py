@@ -63,3 +63,23 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One pooled prompt, vLLM's shape; `error` is set (and the embedding empty) if the engine failed it."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    error: str | None = None

@@ -2,7 +2,8 @@
 
 Each tiny HF checkpoint is written as llama.cpp's converter writes it: tensor names from gguf-py's own
 name map, the converter's value changes (Gemma's norm + 1, Granite's q/k row permutation, GPT-2's
-Conv1D transpose, StableLM's stacked per-head norms, Phi-3's LongRoPE factor tensors) and its metadata
+Conv1D transpose, StableLM's stacked per-head norms, Phi-3's LongRoPE factor tensors, the MoE families'
+experts merged into one [E, out, in] tensor per projection) and its metadata
 keys, with SmolLM2's GGUF vocabulary. Then
   * our engine on that file gives the HF model's greedy tokens (the gate's strict / near-tie rule);
   * where transformers reads the architecture from GGUF, its model of the same file holds the original
@@ -10,6 +11,7 @@ keys, with SmolLM2's GGUF vocabulary. Then
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import gguf
@@ -38,10 +40,13 @@ def _configs(vocab: int) -> dict:
         Glm4Config,
         GPT2Config,
         GraniteConfig,
+        MixtralConfig,
         Olmo2Config,
         Olmo3Config,
         Phi3Config,
         PhiConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
         StableLmConfig,
     )
 
@@ -72,6 +77,15 @@ def _configs(vocab: int) -> dict:
         "command-r": CohereConfig(**ln, use_qk_norm=True, logit_scale=0.5),
         "cohere2": Cohere2Config(**{**ln, "num_hidden_layers": 4}, sliding_window=8, logit_scale=0.5),
         "glm4": Glm4Config(**rms, head_dim=32, pad_token_id=0),
+        # llama.cpp writes Mixtral as `llama` with experts; it renormalizes qwen3moe's top-k, not qwen2moe's.
+        "mixtral": MixtralConfig(**rms, num_local_experts=8, num_experts_per_tok=2),
+        "qwen2moe": Qwen2MoeConfig(**rms, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=96),
+        # older converters squeezed the [1, hidden] shared-expert gate to [hidden]
+        "qwen2moe-squeezed": Qwen2MoeConfig(**rms, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                            shared_expert_intermediate_size=96),
+        "qwen3moe": Qwen3MoeConfig(**rms, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                   norm_topk_prob=True),
     }
 
 
@@ -79,7 +93,9 @@ GGUF_ARCH = {"gemma": MODEL_ARCH.GEMMA, "gemma2": MODEL_ARCH.GEMMA2, "phi2": MOD
              "gpt2": MODEL_ARCH.GPT2, "stablelm": MODEL_ARCH.STABLELM,
              "stablelm-plain": MODEL_ARCH.STABLELM, "olmo2": MODEL_ARCH.OLMO2,
              "olmo3": MODEL_ARCH.OLMO2, "granite": MODEL_ARCH.GRANITE, "command-r": MODEL_ARCH.COMMAND_R,
-             "cohere2": MODEL_ARCH.COHERE2, "glm4": MODEL_ARCH.GLM4}
+             "cohere2": MODEL_ARCH.COHERE2, "glm4": MODEL_ARCH.GLM4, "mixtral": MODEL_ARCH.LLAMA,
+             "qwen2moe": MODEL_ARCH.QWEN2MOE, "qwen2moe-squeezed": MODEL_ARCH.QWEN2MOE,
+             "qwen3moe": MODEL_ARCH.QWEN3MOE}
 TRANSFORMERS_READS = ["gemma2", "phi3", "gpt2", "stablelm-plain"]  # archs transformers loads from GGUF
 
 
@@ -112,7 +128,7 @@ def _metadata(name: str, w: gguf.GGUFWriter, c) -> None:
     if name in ("gemma", "gemma2", "glm4"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if name in ("phi2", "phi3", "stablelm", "stablelm-plain", "cohere2", "glm4", "granite"):
+    if name in ("phi2", "phi3", "stablelm", "stablelm-plain", "cohere2", "glm4", "granite", "mixtral"):
         partial = rope.get("partial_rotary_factor", 0.5 if name == "glm4" else 1.0)
         w.add_rope_dimension_count(int(head_dim * partial))
     if name == "gemma2":
@@ -131,6 +147,13 @@ def _metadata(name: str, w: gguf.GGUFWriter, c) -> None:
         w.add_parallel_residual(d["use_parallel_residual"])
     if name in ("command-r", "cohere2"):
         w.add_logit_scale(d["logit_scale"])
+    if name.startswith(("mixtral", "qwen2moe", "qwen3moe")):
+        w.add_expert_count(d.get("num_local_experts") or d["num_experts"])
+        w.add_expert_used_count(d["num_experts_per_tok"])
+    if name.startswith(("qwen2moe", "qwen3moe")):
+        w.add_expert_feed_forward_length(d["moe_intermediate_size"])
+    if name.startswith("qwen2moe"):
+        w.add_expert_shared_feed_forward_length(d["shared_expert_intermediate_size"])
     if name == "granite":
         w.add_attention_scale(d["attention_multiplier"])
         w.add_embedding_scale(d["embedding_multiplier"])
@@ -151,16 +174,19 @@ def _tensors(name: str, state: dict[str, torch.Tensor], c) -> dict[str, np.ndarr
                 rows = sorted((k for k in state if k.startswith(prefix)),
                               key=lambda k: int(k[len(prefix):].split(".")[0]))
                 state[f"model.layers.{i}.self_attn.{qk}_layernorm.weight"] = torch.stack([state.pop(k) for k in rows])
+    _stack_experts(state)
     for hf, tensor in state.items():
         if name in ("gemma", "gemma2") and hf == "lm_head.weight":
             continue
         if name in ("gemma", "gemma2") and hf.endswith("norm.weight"):
             tensor = tensor + 1
-        if name == "granite" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+        if name in ("granite", "mixtral") and hf.endswith(("q_proj.weight", "k_proj.weight")):
             heads = d["num_attention_heads"] if "q_proj" in hf else d["num_key_value_heads"]
             tensor = torch.from_numpy(_llama_cpp_permute(tensor.numpy(), heads))
         if name == "gpt2" and hf.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
             tensor = tensor.t()
+        if name == "qwen2moe-squeezed" and hf.endswith(".shared_expert_gate.weight"):
+            tensor = tensor.squeeze(0)
         mapped = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         assert mapped is not None, f"gguf-py has no llama.cpp name for {hf}"
         out[mapped] = np.ascontiguousarray(tensor.float().numpy())
@@ -169,6 +195,18 @@ def _tensors(name: str, state: dict[str, torch.Tensor], c) -> dict[str, np.ndarr
         out["rope_factors_long.weight"] = np.array(rope["long_factor"], np.float32)
         out["rope_factors_short.weight"] = np.array(rope["short_factor"], np.float32)
     return out
+
+
+def _stack_experts(state: dict[str, torch.Tensor]) -> None:
+    """The MoE converters' merge: each projection of every expert into one [E, out, in] tensor
+    (`...experts.3.w1.weight` -> `...experts.w1.weight`)."""
+    per_expert = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.weight")
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for key in [k for k in state if per_expert.fullmatch(k)]:
+        match = per_expert.fullmatch(key)
+        stacks.setdefault(f"{match[1]}.{match[3]}.weight", {})[int(match[2])] = state.pop(key)
+    for key, experts in stacks.items():
+        state[key] = torch.stack([experts[e] for e in sorted(experts)])
 
 
 @pytest.fixture(autouse=True)

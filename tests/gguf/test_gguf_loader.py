@@ -14,10 +14,12 @@ from gguf import GGMLQuantizationType as Q
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.loader.gguf import GGUFCheckpoint
 
-SUPPORTED = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-# gguf-py cannot quantize k-quants; random blocks are valid if their float16 scales are sane.
+SUPPORTED = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+             "IQ4_NL", "IQ4_XS"]
+# gguf-py cannot quantize k-quants or i-quants; random blocks are valid if their float16 scales are sane.
 # Byte offsets of those scales within one block, from ggml's block layouts.
-K_QUANT_F16_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+K_QUANT_F16_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+                       Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
 
 
 # --- real files against transformers -------------------------------------------------------------

@@ -7,9 +7,11 @@ import re
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from vllmpy.entrypoints.bench.prompts import load_jsonl
+from vllmpy.entrypoints.bench.serve import NOT_REPORTED, info_header
 
 # One intra-op thread: on a shared machine, oversubscribed OpenMP threads make a tiny model 100x slower.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -76,16 +78,33 @@ def test_serve_report(tiny_llama_dir, tmp_path):
         report = _report(_bench("serve", "--base-url", server.url.removesuffix("/v1"), "--num-prompts", "6",
                                 "--input-len", "8", "--output-len", "4", "--max-concurrency", "3",
                                 "--output-json", str(out)), out)
+        metrics = httpx.get(server.url.removesuffix("/v1") + "/metrics", timeout=30).text
     finally:
         server.stop()
     header, r = report["header"], report["results"]
-    assert set(ENGINE_HEADER) <= set(header)
+    _check_engine_header(header, tiny_llama_dir)  # the server's own configuration, read from its /metrics
+    assert header["vllmpy version"].endswith(" (client)")
     assert header["Server version"] == header["vllmpy version"].split()[0]
-    assert header["Model"] == tiny_llama_dir
+    for info in (r'vllm:cache_config_info\{.*block_size="16".*num_gpu_blocks="64"',
+                 r'vllmpy:engine_config_info\{.*device="cpu",dtype="float32"'):
+        assert re.search(rf"^{info}.*\}} 1\.0$", metrics, re.MULTILINE), info
     assert (r["completed"], r["errors"], r["total_input_tokens"], r["total_output_tokens"]) == (6, 0, 48, 24)
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert 0 < r[f"{name}_p50"] <= r[f"{name}_p90"] <= r[f"{name}_p99"], name
     assert report["args"]["request_rate"] == "inf"
+
+
+def test_serve_header_from_a_vllm_server():
+    """vLLM exports only vllm:cache_config_info (its own label set): those lines are read, the rest say so."""
+    text = ('# TYPE vllm:cache_config_info gauge\n'
+            'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",'
+            'gpu_memory_utilization="0.9",num_gpu_blocks="4096"} 1.0\n'
+            'python_info{implementation="CPython",version="3.12"} 1.0\n')
+    header = info_header(text)
+    assert (header["Block size"], header["KV blocks"], header["KV cache dtype (requested)"],
+            header["Prefix caching"]) == ("16", "4096", "auto", "True")
+    assert header["Dtype"] == header["Weight format"] == header["KV cache dtype (resolved storage)"] == NOT_REPORTED
+    assert set(info_header("").values()) == {NOT_REPORTED}
 
 
 def test_unreachable_server_is_a_clear_error():

@@ -8,7 +8,7 @@ import torch
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What differs between attention layers: scaling, window, soft-capping."""
+    """What differs between attention layers: scaling, window, soft-capping, causality."""
 
     num_heads: int
     num_kv_heads: int
@@ -16,6 +16,7 @@ class AttentionSpec:
     scale: float
     sliding_window: int | None = None  # keys in (q_pos - window, q_pos] are visible
     logit_soft_cap: float | None = None
+    causal: bool = True  # False: an encoder (BERT), every token sees the whole sequence
 
 
 @dataclass

@@ -3,7 +3,8 @@
 K/V are written into the paged cache through the slot mapping. Decode rows (one new token) are
 attended in one batched call over the blocks each row needs (only the window's blocks for sliding
 layers); prefill rows attend one sequence at a time, reading the in-flight K/V directly when the
-sequence has no cached context.
+sequence has no cached context. Non-causal (encoder) layers always get whole sequences in one step and
+never decode, so they attend the in-flight K/V and leave the cache alone.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
     """q: [T, heads, dim], k/v: [T, kv_heads, dim] (this step's tokens) → [T, heads, dim]."""
+    if not spec.causal:
+        return _encoder_attention(q, k, v, meta, spec)
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode_rows:
@@ -35,6 +38,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         else:
             keys, values = _gather_seq(kv_cache, meta, row, seq_len)
         out[start:end] = _prefill(q[start:end], keys, values, seq_len, spec)
+    return out
+
+
+def _encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                       spec: AttentionSpec) -> torch.Tensor:
+    """Bidirectional attention within each sequence; the scheduler gives an encoder whole prompts only."""
+    out = torch.empty_like(q)
+    for row in range(meta.num_seqs):
+        start, end = meta.query_start_loc[row], meta.query_start_loc[row + 1]
+        if meta.seq_lens[row] != end - start:
+            raise RuntimeError("an encoder sequence was split across steps; chunked prefill and prefix "
+                               "caching must be off for non-causal models")
+        out[start:end] = _prefill(q[start:end], k[start:end], v[start:end], end - start, spec)
     return out
 
 
@@ -74,11 +90,11 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len:
     if not spec.logit_soft_cap and spec.sliding_window is None and q_len == seq_len:
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
-            is_causal=True, scale=spec.scale, enable_gqa=group > 1)
+            is_causal=spec.causal, scale=spec.scale, enable_gqa=group > 1)
         return out.transpose(0, 1)
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]
-    visible = k_pos <= q_pos
+    visible = k_pos <= q_pos if spec.causal else torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
     if spec.sliding_window is not None:
         visible &= k_pos > q_pos - spec.sliding_window
     qh = q.view(q_len, spec.num_kv_heads, group, -1).permute(1, 2, 0, 3)  # [kvh, g, Lq, d]

@@ -10,12 +10,14 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from vllmpy.config import EngineConfig
 from vllmpy.engine.llm_engine import EngineStats, LLMEngine, PromptType
-from vllmpy.outputs import CompletionOutput, RequestOutput
+from vllmpy.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
 
 logger = logging.getLogger("vllmpy")
@@ -47,8 +49,9 @@ class AsyncLLM:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0, delta: bool = False) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | PoolingParams,
+                       request_id: str | None = None, priority: int = 0,
+                       delta: bool = False) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Yield outputs until finished: cumulative, or only what is new since the last yield (delta).
 
         Leaving the iteration early (a client disconnect cancels it) aborts the request and frees its
@@ -73,6 +76,12 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not added.done() or added.exception() is None:
                 self._send(("abort", request_id))
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str | None = None,
+                     priority: int = 0) -> EmbeddingRequestOutput:
+        """The prompt's embedding (it arrives whole, in one output); cancelling aborts the request."""
+        async with aclosing(self.generate(prompt, pooling_params, request_id, priority)) as outputs:
+            return await anext(outputs)
 
     async def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -122,7 +131,7 @@ class AsyncLLM:
                 self._publish(output.request_id, output)
 
     def _fail_all(self, exc: Exception) -> None:
-        ids = list(self.engine.processor.parents)
+        ids = self.engine.unfinished_request_ids()
         self.engine.abort_request(ids)
         for request_id in ids:
             self._publish(request_id, RuntimeError(f"request {request_id} failed inside the engine: {exc}"))

@@ -168,7 +168,7 @@ class KVCacheManager:
         Never the whole sequence: the last token must be computed to have logits to sample from.
         Skipped for prompt_logprobs, which need every prompt position computed (as vLLM).
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self._looks_up(request):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._chain_hashes(request, max_blocks)
@@ -229,8 +229,12 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
+    def _looks_up(self, request: Request) -> bool:
+        params = request.sampling_params  # None for a pooling request
+        return self.enable_caching and (params is None or params.prompt_logprobs is None)
+
     def _record_lookup(self, request: Request, num_hit_blocks: int) -> None:
-        if self.enable_caching and request.sampling_params.prompt_logprobs is None:
+        if self._looks_up(request):
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_blocks * self.block_size
 

@@ -9,7 +9,8 @@ from vllmpy.config import EngineConfig
 from vllmpy.engine.core import EngineCore
 from vllmpy.engine.output_processor import OutputProcessor
 from vllmpy.engine.request import Request, RequestStatus
-from vllmpy.outputs import RequestOutput
+from vllmpy.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
 
 # A prompt: text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...} as vLLM accepts.
@@ -37,6 +38,7 @@ class LLMEngine:
         self.tokenizer = self.core.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._pooling: set[str] = set()  # unfinished pooling requests (they have no OutputProcessor state)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -50,19 +52,24 @@ class LLMEngine:
     def new_request_id(self) -> str:
         return str(next(self._ids))
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptType, truncate_to: int | None = None) -> tuple[str | None, list[int]]:
+        """`truncate_to`: keep the last that many tokens (a text keeps its special tokens)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _keep_last(list(prompt["prompt_token_ids"]), truncate_to)
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, truncate_to=truncate_to)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+            return None, _keep_last(list(prompt), truncate_to)
         raise TypeError("prompt must be a string, a list of token ids, or a dict with 'prompt' / 'prompt_token_ids'")
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
                     priority: int = 0, arrival_time: float | None = None) -> None:
+        """Queue a prompt to generate from (SamplingParams) or to embed (PoolingParams), as vLLM's."""
+        if isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, prompt, params, priority, arrival_time)
+            return
         text, token_ids = self.tokenize_prompt(prompt)
         children = []
         for i in range(params.n):
@@ -75,25 +82,47 @@ class LLMEngine:
         self.processor.add(request_id, text, children)
         self.prompt_tokens_total += len(token_ids)
 
+    def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams, priority: int,
+                             arrival_time: float | None) -> None:
+        truncate = params.truncate_prompt_tokens
+        _, token_ids = self.tokenize_prompt(prompt, self.core.max_model_len if truncate == -1 else truncate)
+        request = Request(request_id, token_ids, None, arrival_time=arrival_time, priority=priority,
+                          pooling_params=params)
+        self.core.add_request(request)
+        self._pooling.add(request_id)
+        self.prompt_tokens_total += len(token_ids)
+
     def abort_request(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self.core.abort_requests(self.processor.abort(request_id))
+            self._pooling.discard(request_id)
+            # A pooling request is its own core request; a generation fans out into children.
+            self.core.abort_requests(self.processor.abort(request_id) or [request_id])
+
+    def unfinished_request_ids(self) -> list[str]:
+        return [*self.processor.parents, *self._pooling]
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         updated, runner_output, _ = self.core.step()
         if runner_output is not None:
             self.generation_tokens_total += sum(len(t) for t in runner_output.sampled_token_ids)
         parents, stop_hits = self.processor.process(updated, runner_output)
         if stop_hits:
             self.core.finish_requests(stop_hits, RequestStatus.FINISHED_STOPPED)
-        outputs = []
+        outputs: list[RequestOutput | EmbeddingRequestOutput] = []
         for parent in parents:
             outputs.append(self.processor.make_output(parent))
             if parent.finished:
                 self.processor.remove(parent)
+        pooled = runner_output.pooled if runner_output is not None else {}
+        for request in updated:
+            if request.is_finished and request.request_id in self._pooling:
+                self._pooling.remove(request.request_id)
+                outputs.append(EmbeddingRequestOutput(
+                    request.request_id, EmbeddingOutput(pooled.get(request.request_id, [])),
+                    request.prompt_token_ids, error=request.error))
         return outputs
 
     def stats(self) -> EngineStats:
@@ -102,3 +131,7 @@ class LLMEngine:
                                                  "prefix_cache_queries", "prefix_cache_hits", "num_preemptions")},
                            prompt_tokens_total=self.prompt_tokens_total,
                            generation_tokens_total=self.generation_tokens_total)
+
+
+def _keep_last(token_ids: list[int], count: int | None) -> list[int]:
+    return token_ids if count is None else token_ids[-count:]

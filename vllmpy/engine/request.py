@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
+from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
 
 
@@ -36,26 +37,32 @@ _FINISH_REASONS = {
 
 
 class Request:
-    """One sequence being generated (n > 1 is fanned out into n Requests above the engine)."""
+    """One sequence being generated (n > 1 is fanned out into n Requests above the engine), or one prompt
+    being pooled: then `sampling_params` is None and `pooling_params` is set; it finishes after the step
+    that computes its last prompt token."""
 
     def __init__(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         eos_token_ids: set[int] | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         max_tokens: int | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
         self.eos_token_ids = set(eos_token_ids or ())
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         # Resolved output budget (sampling_params.max_tokens or what max_model_len leaves).
-        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        if max_tokens is None:
+            max_tokens = sampling_params.max_tokens if sampling_params is not None else 0
+        self.max_tokens = max_tokens
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
 
 
@@ -13,7 +14,8 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None for a pooling request
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -24,7 +26,7 @@ class ScheduledChunk:
     token_ids: list[int]  # tokens fed to the model this step
     start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
     block_ids: list[int]  # the request's whole block table
-    sample: bool  # chunk ends at the request's last known token: sample the next one
+    sample: bool  # chunk ends at the request's last known token: sample the next one (or pool the prompt)
 
 
 @dataclass
@@ -63,3 +65,4 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[SampledLogprobs | None]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # requests that failed alone this step
     grammar_terminated: set[str] = field(default_factory=set)  # structured output complete: stop these
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # finished embeddings of pooling requests

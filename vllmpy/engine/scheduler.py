@@ -66,10 +66,12 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.num_prompt_tokens == 0:
             raise ValueError("the prompt must contain at least one token")
-        if request.num_prompt_tokens >= self.max_model_len:
+        # A pooled prompt may fill the context; a generated one must leave room for one token.
+        room = 0 if request.pooling_params is not None else 1
+        if request.num_prompt_tokens + room > self.max_model_len:
             raise ValueError(f"the prompt is {request.num_prompt_tokens} tokens long, but max_model_len "
-                             f"is {self.max_model_len}: the prompt must be shorter, leaving room for at "
-                             f"least one generated token")
+                             f"is {self.max_model_len}: the prompt must be shorter"
+                             + (", leaving room for at least one generated token" if room else ""))
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -145,7 +147,7 @@ class Scheduler:
                     req_id=request.request_id,
                     prompt_token_ids=list(request.prompt_token_ids),
                     output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params))
+                    sampling_params=request.sampling_params, pooling_params=request.pooling_params))
                 chunks[request.request_id] = self._make_chunk(request, num_new)
                 budget -= num_new
 

@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         llm = LLM(engine_config=engine_config_from_args(args))
+        if llm.engine.core.task == "embed":
+            raise ValueError("the model is an embedding model (task embed) and vllm-cli generates text; "
+                             "use LLM.embed() or vllm-server's /v1/embeddings")
         overrides = {k: v for k, v in {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                                         "min_p": args.min_p, "seed": args.seed}.items() if v is not None}
         params = llm.get_default_sampling_params().clone(

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllmpy.config import DEVICES, DTYPES, SCHEDULING_POLICIES, EngineConfig, engine_arg_names
+from vllmpy.config import DEVICES, DTYPES, SCHEDULING_POLICIES, TASKS, EngineConfig, engine_arg_names
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +16,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="compute dtype; auto = float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICES)} (or cuda:N)")
+    g.add_argument("--task", default="auto", choices=TASKS,
+                   help="generate text or embed (pool hidden states); auto = the architecture's own "
+                        "(BertModel, LlamaModel, Qwen3Model embed; *ForCausalLM generate)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per layer (overrides sizing)")

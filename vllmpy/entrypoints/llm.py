@@ -1,13 +1,15 @@
-"""The offline API: `LLM(model=None, **engine_args).generate(...)` / `.chat(...)`, as vLLM's."""
+"""The offline API: `LLM(model=None, **engine_args).generate(...)` / `.chat(...)` / `.embed(...)`, as vLLM's."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from tqdm import tqdm
 
 from vllmpy.config import EngineConfig
 from vllmpy.engine.llm_engine import LLMEngine, PromptType
-from vllmpy.outputs import RequestOutput
+from vllmpy.outputs import EmbeddingRequestOutput, RequestOutput
+from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
 from vllmpy.tokenizer import Tokenizer
 
@@ -29,14 +31,36 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        return self._submit(prompts, sampling_params, "sampling_params", use_tqdm, priority)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              priority: list[int] | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (needs an embedding model: BertModel, LlamaModel, ... or --task embed).
+
+        `truncate_prompt_tokens` overrides the pooling params' own (keep the last N tokens; -1 =
+        max_model_len)."""
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        if truncate_prompt_tokens is not None:
+            if isinstance(pooling_params, PoolingParams):
+                pooling_params = dataclasses.replace(pooling_params, truncate_prompt_tokens=truncate_prompt_tokens)
+            else:
+                pooling_params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                                  for p in pooling_params]
+        return self._submit(prompts, pooling_params, "pooling_params", use_tqdm, priority)
+
+    def _submit(self, prompts: PromptType | Sequence[PromptType],
+                params: SamplingParams | PoolingParams | Sequence[SamplingParams | PoolingParams], params_name: str,
+                use_tqdm: bool, priority: list[int] | None) -> list:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+            raise ValueError(f"got {len(params)} {params_name} for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = []
@@ -62,8 +86,8 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
+        finished: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or None,
                   leave=False) as bar:
             while self.engine.has_unfinished_requests():

@@ -15,6 +15,9 @@ from safetensors import safe_open
 from vllmpy.errors import UnsupportedCheckpointError
 
 SUPPORTED_DTYPES = {"F32", "F16", "BF16"}
+# Integer buffers some checkpoints save (BERT's `embeddings.position_ids` = arange): derived, never
+# weights, so they are skipped rather than refused for their dtype.
+DERIVED_BUFFERS = (".position_ids",)
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -61,7 +64,7 @@ class SafetensorsWeights:
         self.num_tensors = 0
         for path in self.files:
             for name, info in _header(path).items():
-                if name == "__metadata__":
+                if name == "__metadata__" or name.endswith(DERIVED_BUFFERS):
                     continue
                 self.num_tensors += 1
                 if info["dtype"] not in SUPPORTED_DTYPES:
@@ -73,4 +76,5 @@ class SafetensorsWeights:
         for path in self.files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name).to(dtype)
+                    if not name.endswith(DERIVED_BUFFERS):
+                        yield name, f.get_tensor(name).to(dtype)

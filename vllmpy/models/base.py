@@ -10,6 +10,7 @@ from torch import nn
 from vllmpy.attention.base import AttentionMetadata
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.layers.linear import default_weight_loader
+from vllmpy.layers.quantized import PackedTensor
 
 # Checkpoint tensors that are derived buffers, never weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -80,8 +81,15 @@ class CausalLM(nn.Module):
                     f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__} "
                     f"(is a config key like tie_word_embeddings, attention_bias or qkv_bias wrong?)")
             param = params[name]
-            loader = getattr(self.get_submodule(name.rsplit(".", 1)[0]), "weight_loader", None)
+            module = self.get_submodule(name.rsplit(".", 1)[0])
             try:
+                if isinstance(tensor, PackedTensor):
+                    if name.endswith(".weight") and hasattr(module, "load_packed"):
+                        module.load_packed(tensor, shard)
+                        loaded.add(name if shard is None else f"{name}#{shard}")
+                        continue
+                    tensor = tensor.dequantize()  # a module that only computes dense (norm tables, experts)
+                loader = getattr(module, "weight_loader", None)
                 if loader is None:
                     default_weight_loader(param, tensor.to(param.dtype))
                 else:
@@ -90,6 +98,15 @@ class CausalLM(nn.Module):
                 raise UnsupportedCheckpointError(f"checkpoint tensor {ckpt_name!r}: {exc}") from None
             loaded.add(name if shard is None else f"{name}#{shard}")
         self._check_all_loaded(params, loaded)
+        self._finish_packed()
+
+    def _finish_packed(self) -> None:
+        """Fuse packed shards, and let a tied head compute on the embedding's packed table."""
+        for module in self.modules():
+            if hasattr(module, "finish_loading"):
+                module.finish_loading()
+        if self.tie_word_embeddings and hasattr(self, "lm_head"):
+            self.lm_head.packed = getattr(self.model.embed_tokens, "packed", None)
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         for name, param in params.items():

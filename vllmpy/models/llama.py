@@ -12,6 +12,7 @@ from torch import nn
 from vllmpy.attention.base import AttentionMetadata, AttentionSpec
 from vllmpy.attention.torch_paged import paged_attention
 from vllmpy.layers.activation import gated, get_activation
+from vllmpy.layers.embedding import VocabEmbedding
 from vllmpy.layers.linear import Linear, MergedLinear
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.layers.rotary import CosSin, RotaryEmbedding, apply_rotary, rope_parameters, rotary_dim
@@ -42,11 +43,13 @@ class Attention(nn.Module):
     qk_norm_layout: "shared" one [head_dim] weight for all heads (Qwen3, Gemma 3, Phi); "per_head" a
     [heads, head_dim] weight (Cohere, StableLM); "flat" one norm over the whole projection (OLMo 2).
     rope=False: no rotary (learned positions: GPT-2, OPT; Cohere 2's global layers).
+    causal=False: bidirectional (encoders: BERT).
     """
 
     def __init__(self, config: dict, layer_type: str, qkv_bias: bool, o_bias: bool,
                  qk_norm: Norm | None = None, scale: float | None = None,
-                 logit_soft_cap: float | None = None, qk_norm_layout: str = "shared", rope: bool = True) -> None:
+                 logit_soft_cap: float | None = None, qk_norm_layout: str = "shared", rope: bool = True,
+                 causal: bool = True) -> None:
         super().__init__()
         hidden = config["hidden_size"]
         self.num_heads = config["num_attention_heads"]
@@ -66,7 +69,7 @@ class Attention(nn.Module):
         window = config.get("sliding_window") if layer_type == "sliding_attention" else None
         self.spec = AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim,
                                   scale=scale or self.head_dim ** -0.5, sliding_window=window,
-                                  logit_soft_cap=logit_soft_cap)
+                                  logit_soft_cap=logit_soft_cap, causal=causal)
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -167,8 +170,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config: dict, layers: list[nn.Module], norm: nn.Module, rope_interleaved: bool = False,
                  learned_positions: int | None = None, position_offset: int = 0) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(config["vocab_size"], config["hidden_size"])
         self.embed_positions = None
         if learned_positions:
             self.embed_positions = nn.Embedding(learned_positions, config["hidden_size"])
@@ -203,7 +205,8 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: dict) -> None:
         super().__init__(config)
         kinds = layer_types(config, self.all_sliding)
-        layers = [DecoderLayer(config, self.make_attention(config, kind)) for kind in kinds]
+        layers = [DecoderLayer(config, self.make_attention(config, kind), self.make_mlp(config, i))
+                  for i, kind in enumerate(kinds)]
         self.model = DecoderModel(config, layers, RMSNorm(config["hidden_size"], norm_eps(config)))
         self.lm_head = Linear(config["hidden_size"], config["vocab_size"])
         self.tie_weights()
@@ -211,6 +214,10 @@ class LlamaForCausalLM(CausalLM):
     def make_attention(self, config: dict, layer_type: str) -> Attention:
         bias = bool(config.get("attention_bias", False))
         return Attention(config, layer_type, qkv_bias=bias, o_bias=bias)
+
+    def make_mlp(self, config: dict, layer_idx: int) -> nn.Module | None:
+        """None: DecoderLayer's dense gated MLP (the MoE families return their sparse block)."""
+        return None
 
     def forward(self, input_ids, positions, kv_caches, meta):
         return self.model(input_ids, positions, kv_caches, meta)

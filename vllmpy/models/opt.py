@@ -9,6 +9,7 @@ import functools
 import torch
 from torch import nn
 
+from vllmpy.layers.embedding import VocabEmbedding
 from vllmpy.layers.linear import Linear
 from vllmpy.layers.norm import LayerNorm
 from vllmpy.models.base import CausalLM
@@ -30,7 +31,7 @@ class OPTModel(DecoderModel):
         super().__init__(config, layers, norm, learned_positions=config["max_position_embeddings"] + POSITION_OFFSET,
                          position_offset=POSITION_OFFSET)
         hidden, proj = config["hidden_size"], config.get("word_embed_proj_dim") or config["hidden_size"]
-        self.embed_tokens = nn.Embedding(config["vocab_size"], proj).requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(config["vocab_size"], proj)
         self.project_in = Linear(proj, hidden) if proj != hidden else None
         self.project_out = Linear(hidden, proj) if proj != hidden else None
 

@@ -14,6 +14,7 @@ import torch
 
 from vllmpy.attention.base import AttentionMetadata
 from vllmpy.engine.schedule_types import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from vllmpy.layers.pooler import Pooler
 from vllmpy.models.base import CausalLM
 from vllmpy.sampling import RowState, Sampler, SamplingMetadata, SamplingRowError, prompt_logprobs_for_chunk
 from vllmpy.sampling.logits_processors import LogitsProcessor
@@ -37,13 +38,14 @@ def allocate_kv_caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dty
 @dataclass
 class RequestState:
     data: NewRequestData
-    row: RowState
+    row: RowState | None  # None for a pooling request
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, block_size: int,
                  num_blocks: int, vocab_size: int, eos_token_ids: set[int],
-                 structured_output: StructuredOutputManager, logits_processors: Sequence[LogitsProcessor] = ()) -> None:
+                 structured_output: StructuredOutputManager, logits_processors: Sequence[LogitsProcessor] = (),
+                 pooler: Pooler | None = None) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -55,6 +57,7 @@ class ModelRunner:
         self.sampler = Sampler(logits_processors)
         self.structured_output = structured_output
         self.requests: dict[str, RequestState] = {}
+        self.pooler = pooler  # set for an embedding model: finished prompts are pooled, nothing is sampled
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -65,6 +68,9 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         for data in so.new_requests:
             params = data.sampling_params
+            if params is None:
+                self.requests[data.req_id] = RequestState(data, None)
+                continue
             generator = None
             if params.seed is not None and not params.greedy:
                 generator = torch.Generator(device=self.device)
@@ -113,6 +119,9 @@ class ModelRunner:
             return out
         input_ids, positions, meta = self._prepare(so)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.pooler is not None:
+            self._pool(so, hidden, meta, out)
+            return out
 
         # Rows whose logits we need: the last token of each sampling chunk, plus prompt positions
         # of requests that asked for prompt_logprobs.
@@ -135,6 +144,18 @@ class ModelRunner:
             chunk = so.chunks[req_ids.index(req_id)]
             out.prompt_logprobs[req_id] = ([None] if chunk.start_pos == 0 else []) + list(entries)
         return out
+
+    def _pool(self, so: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata,
+              out: ModelRunnerOutput) -> None:
+        """Pool each prompt whose last token was computed this step (the scheduler sends CLS/MEAN
+        prompts whole; a LAST-pooled one may arrive in chunks, only its final row matters)."""
+        rows = [i for i, c in enumerate(so.chunks) if c.sample]
+        if not rows:
+            return
+        spans = [(meta.query_start_loc[i], meta.query_start_loc[i + 1]) for i in rows]
+        params = [self.requests[so.chunks[i].req_id].data.pooling_params for i in rows]
+        for i, vector in zip(rows, self.pooler(hidden, spans, params)):
+            out.pooled[so.chunks[i].req_id] = vector
 
     def _num_logprobs(self, k: int) -> int:
         return self.vocab_size if k == -1 else k

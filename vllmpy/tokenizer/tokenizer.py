@@ -30,6 +30,10 @@ class Tokenizer:
         clean_up_tokenization_spaces: bool = False,
     ) -> None:
         self._backend = backend
+        # A tokenizer.json may carry the padding / truncation it was exported with (all-MiniLM's pads every
+        # prompt to 128); transformers turns both off unless a call asks, and so do we.
+        backend.no_padding()
+        backend.no_truncation()
         present = {t.content for t in backend.get_added_tokens_decoder().values()}
         backend.add_special_tokens([t for t in named_tokens.values() if t.content not in present])
         self._named = {name: t.content for name, t in named_tokens.items()}
@@ -93,8 +97,15 @@ class Tokenizer:
         """The `tokenizers` object, for libraries that read the vocabulary themselves (grammar engines)."""
         return self._backend
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, truncate_to: int | None = None) -> list[int]:
+        """`truncate_to`: at most that many tokens, dropping the text's start but keeping the special
+        tokens (vLLM's truncation side for embeddings)."""
+        if truncate_to is None:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        specials = self._backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+        encoding.truncate(max(truncate_to - specials, 0), direction="left")
+        return self._backend.post_process(encoding, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)

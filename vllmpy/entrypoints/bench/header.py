@@ -13,6 +13,19 @@ from vllmpy.engine.core import EngineCore
 
 # vllmpy has no --kv-cache-dtype yet: every run asks for `auto`, which stores K/V in the model dtype.
 KV_CACHE_DTYPE_REQUESTED = "auto"
+# The engine lines of the header as labels of Prometheus info gauges (value 1) on the server's /metrics, so
+# `vllm-bench serve` can attribute its figures as the offline modes do. vllm:cache_config_info keeps vLLM's
+# label names (block_size, num_gpu_blocks, enable_prefix_caching, cache_dtype): a vLLM server fills those too.
+INFO_METRICS = {
+    "vllmpy:engine_config_info": {"weight_format": "Weight format", "dtype": "Dtype", "device": "Device",
+                                  "threads": "Threads", "max_num_seqs": "Max num seqs",
+                                  "max_num_batched_tokens": "Max num batched tokens",
+                                  "max_model_len": "Max model len"},
+    "vllm:cache_config_info": {"block_size": "Block size", "num_gpu_blocks": "KV blocks",
+                               "enable_prefix_caching": "Prefix caching",
+                               "cache_dtype": "KV cache dtype (requested)",
+                               "kv_cache_dtype_resolved": "KV cache dtype (resolved storage)"},
+}
 
 
 def git_commit() -> str:
@@ -78,3 +91,9 @@ def engine_header(core: EngineCore) -> dict[str, str]:
         "KV cache dtype (requested)": KV_CACHE_DTYPE_REQUESTED,
         "KV cache dtype (resolved storage)": f"{kv_dtype} ({page_bytes}-byte pages)",
     }
+
+
+def info_metrics(core: EngineCore) -> dict[str, dict[str, str]]:
+    """{info gauge name: its labels}: engine_header's values under INFO_METRICS' label names."""
+    header = engine_header(core)
+    return {name: {label: header[line] for label, line in labels.items()} for name, labels in INFO_METRICS.items()}

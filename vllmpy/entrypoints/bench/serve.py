@@ -17,20 +17,14 @@ import httpx
 from tqdm import tqdm
 
 from vllmpy.entrypoints.bench.checks import require_positive
-from vllmpy.entrypoints.bench.header import version_line
+from vllmpy.entrypoints.bench.header import INFO_METRICS, version_line
 from vllmpy.entrypoints.bench.prompts import load_jsonl, random_token_prompts
 from vllmpy.entrypoints.bench.report import Report, summarize
 
 NOT_REPORTED = "not reported by the server"
-# Header fields a server may export as labels of a Prometheus `*_info` metric (vLLM's
-# vllm:cache_config_info names block_size, num_gpu_blocks and cache_dtype).
-_INFO_LABELS = {"weight_format": "Weight format", "dtype": "Dtype", "device": "Device", "threads": "Threads",
-                "max_num_seqs": "Max num seqs", "block_size": "Block size", "num_gpu_blocks": "KV blocks",
-                "num_blocks": "KV blocks", "cache_dtype": "KV cache dtype (requested)",
-                "kv_cache_dtype": "KV cache dtype (requested)",
-                "kv_cache_dtype_resolved": "KV cache dtype (resolved storage)"}
-_INFO_LINE = re.compile(r"^[\w:]+_info\{(.*)\}\s", re.MULTILINE)
+_INFO_LINE = re.compile(r"^([\w:]+)\{(.*)\}\s", re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_ESCAPED = re.compile(r"\\(.)")  # label values escape backslash, double quote and newline
 # Text whose tokens seed random prompts: /tokenize turns it into ids the server's vocabulary surely has.
 _SEED_TEXT = ("The quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches; "
               "meanwhile, 42 engineers benchmark inference servers, measuring latency, throughput and memory "
@@ -168,16 +162,20 @@ async def server_header(client: httpx.AsyncClient, base_url: str) -> tuple[str, 
     header = {"vllmpy version": f"{version_line()} (client)", "Server": base_url,
               "Server version": await _get_json(client, f"{base_url}/version", "version"),
               "Model": models[0].get("root") or models[0]["id"]}
-    header |= dict.fromkeys(("Weight format", "Dtype", "Device", "Threads", "Max num seqs", "Block size",
-                             "KV blocks", "KV cache dtype (requested)", "KV cache dtype (resolved storage)"),
-                            NOT_REPORTED)
     metrics = await client.get(f"{base_url}/metrics")
-    if metrics.status_code == 200:
-        for labels in _INFO_LINE.findall(metrics.text):
-            for key, value in _LABEL.findall(labels):
-                if key in _INFO_LABELS:
-                    header[_INFO_LABELS[key]] = value
-    return models[0]["id"], header
+    return models[0]["id"], header | info_header(metrics.text if metrics.status_code == 200 else "")
+
+
+def info_header(metrics: str) -> dict[str, str]:
+    """The engine lines of the header from the INFO_METRICS gauges in Prometheus text; NOT_REPORTED for
+    the lines a server does not export (all of them for servers without /metrics)."""
+    header = {line: NOT_REPORTED for labels in INFO_METRICS.values() for line in labels.values()}
+    for name, labels in _INFO_LINE.findall(metrics):
+        lines = INFO_METRICS.get(name, {})
+        for key, value in _LABEL.findall(labels):
+            if key in lines:
+                header[lines[key]] = _ESCAPED.sub(lambda m: "\n" if m[1] == "n" else m[1], value)
+    return header
 
 
 async def _get_json(client: httpx.AsyncClient, url: str, key: str) -> str:
@@ -196,6 +194,8 @@ async def server_token_prompts(client: httpx.AsyncClient, base_url: str, model: 
         vocab = sorted(set(reply.raise_for_status().json()["tokens"]))
     except (httpx.HTTPError, KeyError, ValueError) as exc:
         raise ServeError(f"random prompts need the server's /tokenize ({exc}); pass --dataset-path instead") from None
+    if not vocab:  # llama.cpp's server reads `content`, and answers a `prompt` with no tokens
+        raise ServeError("the server's /tokenize returned no tokens for a vLLM-style request; pass --dataset-path")
     return random_token_prompts(vocab, count, length, seed)
 
 

@@ -31,6 +31,8 @@ from vllmpy.entrypoints.openai.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
@@ -43,6 +45,7 @@ from vllmpy.entrypoints.openai.protocol import (
 from vllmpy.entrypoints.openai.reasoning import REASONING_PARSERS
 from vllmpy.entrypoints.openai.serving_chat import NO_PARSERS, ChatParsers, create_chat_completion
 from vllmpy.entrypoints.openai.serving_completion import create_completion
+from vllmpy.entrypoints.openai.serving_embedding import create_embedding
 from vllmpy.entrypoints.openai.serving_engine import ServingContext
 from vllmpy.entrypoints.openai.serving_tokenization import detokenize, tokenize
 from vllmpy.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -106,6 +109,11 @@ def build_app(ctx: ServingContext, api_key: str | None = None, parsers: ChatPars
              description="With stream=true the answer is text/event-stream of ChatCompletionStreamResponse chunks.")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await _respond(raw, body, create_chat_completion(ctx, body, parsers))
+
+    @v1.post("/embeddings", response_model=EmbeddingResponse,
+             description="Needs an embedding model (BertModel, LlamaModel, ... or --task embed).")
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+        return await _respond(raw, body, create_embedding(ctx, body))
 
     app.include_router(v1)
 

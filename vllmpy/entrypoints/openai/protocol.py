@@ -221,6 +221,20 @@ class DetokenizeRequest(RequestModel):
     tokens: list[int]
 
 
+class EmbeddingRequest(RequestModel):
+    """OpenAI's embeddings fields plus vLLM's truncate_prompt_tokens, add_special_tokens, normalize, priority."""
+
+    model: str | None = None
+    input: list[int] | list[list[int]] | str | list[str]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # Matryoshka models only
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+    priority: int = 0
+
+
 # ---------------------------------------------------------------- responses
 
 
@@ -420,3 +434,18 @@ class DetokenizeResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # str: base64 of the little-endian float32 bytes
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo

@@ -10,6 +10,7 @@ from typing import Any
 
 from vllmpy.engine.async_llm import AsyncLLM
 from vllmpy.engine.llm_engine import PromptType
+from vllmpy.entrypoints.bench.header import info_metrics
 from vllmpy.entrypoints.openai.errors import RequestError
 from vllmpy.entrypoints.openai.protocol import ChatMessage, ChatRenderFields, SamplingRequest, UsageInfo
 from vllmpy.metrics import RequestTracker, ServerMetrics
@@ -56,7 +57,7 @@ class ServingContext:
         self.default_params = engine.engine.default_sampling_params
         self.chat_template = chat_template
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.metrics = ServerMetrics(engine.stats, self.model_name)
+        self.metrics = ServerMetrics(engine.stats, self.model_name, info_metrics(engine.engine.core))
         self._stop_future: asyncio.Future | None = None
 
     def check_model(self, model: str | None) -> None:

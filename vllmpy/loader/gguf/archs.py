@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.loader.gguf.metadata import ArchMetadata
-from vllmpy.loader.gguf.transforms import SubtractOffset, Transform, UnpermuteRope
+from vllmpy.loader.gguf.transforms import AsRow, SubtractOffset, Transform, UnpermuteRope
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,6 +42,13 @@ GEMMA_LAYER_NAMES = {
     **QK_NORM_NAMES,
     **MLP_NAMES,
 }
+
+# Sparse MoE layers: the router, then each projection of every expert stacked [E, out, in].
+MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+             "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
+# Qwen2-MoE's always-on shared expert and its sigmoid gate.
+SHARED_EXPERT_NAMES = {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                       "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 
 # Layer names of the LayerNorm families whose HF names are Llama's (StableLM, Command-R / Cohere 2).
 LAYERNORM_LLAMA_NAMES = {**LLAMA_LAYER_NAMES, **QK_NORM_NAMES}
@@ -92,6 +99,21 @@ class ArchSpec:
     extra_config: Callable[[ArchMetadata, dict, Mapping[str, np.ndarray]], dict] | None = None
     # (HF config key, metadata suffix) of the norm epsilon: RMSNorm families by default.
     norm_eps: tuple[str, str] = ("rms_norm_eps", "attention.layer_norm_rms_epsilon")
+
+
+def _llama_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """llama.cpp writes Mixtral as `llama` with experts (its expert size is feed_forward_length)."""
+    experts = meta.integer("expert_count", 0)
+    if not experts:
+        return {}
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
+            "num_experts_per_tok": meta.integer("expert_used_count")}
+
+
+def _qwen_moe_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """Every llama.cpp qwen2moe / qwen3moe layer is sparse (no decoder_sparse_step, no mlp_only_layers)."""
+    return {"num_experts": meta.integer("expert_count"), "num_experts_per_tok": meta.integer("expert_used_count"),
+            "moe_intermediate_size": meta.integer("expert_feed_forward_length")}
 
 
 def _gemma3_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
@@ -190,11 +212,12 @@ ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec(
         hf_architecture="LlamaForCausalLM",
         model_type="llama",
-        layer_names=LLAMA_LAYER_NAMES,
+        layer_names={**LLAMA_LAYER_NAMES, **MOE_NAMES},
         config_constants={"hidden_act": "silu"},
         tensor_flags={"attention_bias": "attn_q.bias", "mlp_bias": "ffn_up.bias"},
         transforms=LLAMA_ROPE_UNPERMUTE,
         config_tensors=frozenset({"rope_freqs.weight"}),
+        extra_config=_llama_config,
     ),
     "qwen2": ArchSpec(
         hf_architecture="Qwen2ForCausalLM",
@@ -208,6 +231,25 @@ ARCHS: dict[str, ArchSpec] = {
         layer_names={**LLAMA_LAYER_NAMES, **QK_NORM_NAMES},
         config_constants={"hidden_act": "silu"},
         tensor_flags={"attention_bias": "attn_q.bias"},
+    ),
+    # llama.cpp routes by softmax then top-k, renormalized for qwen3moe and not for qwen2moe.
+    "qwen2moe": ArchSpec(
+        hf_architecture="Qwen2MoeForCausalLM",
+        model_type="qwen2_moe",
+        layer_names={**LLAMA_LAYER_NAMES, **MOE_NAMES, **SHARED_EXPERT_NAMES},
+        config_constants={"hidden_act": "silu", "norm_topk_prob": False},
+        optional_keys={**OPTIONAL_KEYS, "shared_expert_intermediate_size": "expert_shared_feed_forward_length"},
+        tensor_flags={"qkv_bias": "attn_q.bias"},
+        transforms={"ffn_gate_inp_shexp.weight": AsRow()},
+        extra_config=_qwen_moe_config,
+    ),
+    "qwen3moe": ArchSpec(
+        hf_architecture="Qwen3MoeForCausalLM",
+        model_type="qwen3_moe",
+        layer_names={**LLAMA_LAYER_NAMES, **QK_NORM_NAMES, **MOE_NAMES},
+        config_constants={"hidden_act": "silu", "norm_topk_prob": True},
+        tensor_flags={"attention_bias": "attn_q.bias"},
+        extra_config=_qwen_moe_config,
     ),
     "gemma3": ArchSpec(
         hf_architecture="Gemma3ForCausalLM",

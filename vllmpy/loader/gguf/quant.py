@@ -7,10 +7,11 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from vllmpy.errors import UnsupportedCheckpointError
+from vllmpy.layers.quantized import PackedTensor
 from vllmpy.loader.gguf.file import GGUFTensor
 
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-                   Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+                   Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 
 
 def check_type(tensor: GGUFTensor) -> None:
@@ -23,6 +24,14 @@ def check_type(tensor: GGUFTensor) -> None:
 def hf_shape(tensor: GGUFTensor) -> tuple[int, ...]:
     """GGUF lists dims innermost first; HF (and numpy) outermost first: [out, in] for a linear weight."""
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def to_packed(tensor: GGUFTensor) -> PackedTensor | None:
+    """The tensor's blocks, uncopied, where the CPU kernels compute on them; else None."""
+    shape = hf_shape(tensor)
+    if tensor.tensor_type == Q.F32 or not PackedTensor.packable(int(tensor.tensor_type), shape):
+        return None
+    return PackedTensor.from_numpy(tensor.data, int(tensor.tensor_type), shape)
 
 
 def to_torch(tensor: GGUFTensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ from vllmpy.loader.gguf.config import build_config
 from vllmpy.loader.gguf.file import GGUFTensor, read_gguf
 from vllmpy.loader.gguf.metadata import ArchMetadata
 from vllmpy.loader.gguf.names import hf_name
-from vllmpy.loader.gguf.quant import check_type, hf_shape, to_torch
+from vllmpy.layers.quantized import PackedTensor
+from vllmpy.loader.gguf.quant import check_type, hf_shape, to_packed, to_torch
 from vllmpy.loader.gguf.transforms import Transform
 
 
@@ -56,12 +57,23 @@ class GGUFCheckpoint:
         """How many tensors `weights()` yields."""
         return len(self._plan)
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor in HF layout) pairs, each dequantized only when reached."""
+    def weights(self, dtype: torch.dtype, keep_packed: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
+        """(HF name, tensor in HF layout) pairs, each dequantized only when reached.
+
+        keep_packed: 2-D block-quantized (and F16/BF16) tensors come as `PackedTensor`s over the file's
+        bytes instead, for the CPU kernels to compute on.
+        """
         for planned in self._plan:
+            transform = planned.transform
+            packed = to_packed(planned.tensor) if keep_packed else None
+            if packed is not None and (transform is None or transform.rows_only):
+                if transform is not None:
+                    packed.data = transform(packed.data, self._config)
+                yield planned.name, packed
+                continue
             tensor = to_torch(planned.tensor)
-            if planned.transform is not None:
-                tensor = planned.transform(tensor, self._config)
+            if transform is not None:
+                tensor = transform(tensor, self._config)
             yield planned.name, tensor.to(dtype)
 
 

@@ -14,6 +14,9 @@ from vllmpy.errors import UnsupportedCheckpointError
 
 
 class Transform(Protocol):
+    # True when the transform only reorders whole rows, so it applies to packed blocks unchanged.
+    rows_only: bool
+
     def check(self, name: str, shape: tuple[int, ...], config: dict) -> None: ...
 
     def __call__(self, tensor: torch.Tensor, config: dict) -> torch.Tensor: ...
@@ -27,6 +30,7 @@ class UnpermuteRope:
     """
 
     heads_key: str
+    rows_only: bool = True
 
     def check(self, name: str, shape: tuple[int, ...], config: dict) -> None:
         heads = config[self.heads_key]
@@ -46,9 +50,23 @@ class SubtractOffset:
     """llama.cpp stores Gemma RMSNorm weights as `offset + w` (its norm multiplies by the weight); HF stores `w`."""
 
     offset: float = 1.0
+    rows_only: bool = False
 
     def check(self, name: str, shape: tuple[int, ...], config: dict) -> None:
         return None
 
     def __call__(self, tensor: torch.Tensor, config: dict) -> torch.Tensor:
         return tensor - self.offset
+
+
+@dataclass(frozen=True)
+class AsRow:
+    """Older llama.cpp converters squeezed [1, n] weights (Qwen2-MoE's shared-expert gate) to [n]."""
+
+    rows_only: bool = False
+
+    def check(self, name: str, shape: tuple[int, ...], config: dict) -> None:
+        return None
+
+    def __call__(self, tensor: torch.Tensor, config: dict) -> torch.Tensor:
+        return tensor.reshape(1, -1)

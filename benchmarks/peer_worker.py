@@ -1,0 +1,71 @@
+"""Runs inside a peer's own virtualenv for benchmarks/peers.py: loads the model once, then answers one JSON
+request per stdin line ({"prompts": [[ids]], "max_tokens": n}) with a `PEER-RESULT {...}` line. Imports
+nothing from vllmpy: the peer's virtualenv has only the peer.
+
+    <venv>/bin/python benchmarks/peer_worker.py ENGINE SETTINGS   (SETTINGS: JSON of ENGINE's loader's arguments)
+"""
+import json
+import sys
+import time
+from collections.abc import Callable
+
+# generate(prompts, max_tokens) -> output tokens; greedy, EOS ignored.
+Generate = Callable[[list[list[int]], int], int]
+
+
+def reply(payload: dict) -> None:
+    print("PEER-RESULT " + json.dumps(payload), flush=True)
+
+
+def load_vllm(model: str, max_model_len: int, max_num_seqs: int, kv_cache_bytes: int) -> tuple[str, Generate]:
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              kv_cache_memory_bytes=kv_cache_bytes, seed=0)
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> int:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    return f"vllm {vllm.__version__}", generate
+
+
+def load_llama_cpp(model: str, max_model_len: int, threads: int) -> tuple[str, Generate]:
+    """llama-cpp-python's Python API decodes one sequence at a time, so the prompts run one after another."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=model, n_ctx=max_model_len, n_threads=threads, n_threads_batch=threads,
+                          verbose=False)
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> int:
+        produced = 0
+        for prompt in prompts:
+            llm.reset()  # no reuse of the previous prompt's KV cells
+            # Llama.generate yields sampled tokens without an EOS check, so stopping at max_tokens ignores EOS.
+            for count, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1, reset=True), 1):
+                if count == max_tokens:
+                    break
+            produced += count
+        return produced
+
+    return f"llama-cpp-python {llama_cpp.__version__}", generate
+
+
+LOADERS = {"vllm": load_vllm, "llama.cpp": load_llama_cpp}
+
+
+def main() -> None:
+    version, generate = LOADERS[sys.argv[1]](**json.loads(sys.argv[2]))
+    reply({"version": version})
+    for line in sys.stdin:
+        request = json.loads(line)
+        start = time.perf_counter()
+        produced = generate(request["prompts"], request["max_tokens"])
+        reply({"seconds": time.perf_counter() - start, "output_tokens": produced})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The block kernels against gguf-py's reference dequantizer: decoded rows bit-identical, matmuls
+within MATMUL_RTOL of float64 on the decoded weights; on random blocks of every type and on the
+real blocks of the two shipped GGUF files."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from vllmpy import kernels
+from vllmpy.layers.quantized import KERNEL_MAX_ROWS, PackedTensor, packed_linear
+from vllmpy.loader.gguf.file import read_gguf
+from vllmpy.loader.gguf.quant import hf_shape
+
+# Only summation order differs from float64 over the same decoded weights.
+MATMUL_RTOL = 2e-5
+# Byte offsets of each type's fp16 scale fields inside a block (random bytes there could be NaN/Inf).
+_HALF_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q2_K: (80, 82),
+                Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
+TYPES = [*_HALF_FIELDS, Q.F16, Q.BF16]
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes as [rows, bytes per row] with finite, O(0.01) scales."""
+    if qtype == Q.F16:
+        return rng.standard_normal((rows, cols)).astype(np.float16).view(np.uint8)
+    if qtype == Q.BF16:
+        return (rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    for offset in _HALF_FIELDS[qtype]:
+        blocks[:, offset:offset + 2] = rng.uniform(0.001, 0.02, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def check_packed(data: np.ndarray, qtype: Q, shape: tuple[int, int], sample_rows: list[int]) -> None:
+    packed = PackedTensor.from_numpy(data, int(qtype), shape)
+    reference = dequantize(data[sample_rows], qtype).reshape(len(sample_rows), shape[1])
+    got = packed.rows(torch.tensor(sample_rows)).numpy()
+    assert np.array_equal(got, reference), f"{qtype.name}: decoded rows differ from gguf.quants.dequantize"
+    weight = dequantize(data[:256], qtype).reshape(-1, shape[1]).astype(np.float64)
+    head = PackedTensor.from_numpy(data[:256], int(qtype), (weight.shape[0], shape[1]))
+    for m in (1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 40):  # both the kernel and the slab path
+        x = torch.randn(m, shape[1])
+        expected = x.double().numpy() @ weight.T
+        got = packed_linear(x, head).double().numpy()
+        scale = np.abs(x.double().numpy()) @ np.abs(weight.T)  # error bound grows with sum |x_i w_i|
+        assert np.all(np.abs(got - expected) <= MATMUL_RTOL * scale + 1e-30), f"{qtype.name} m={m}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    if kernels.block_kernels() is None:
+        pytest.fail("the block kernels did not build on this machine (a C compiler is part of the setup)")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_random_blocks(qtype):
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 300, 512
+    check_packed(random_blocks(qtype, rows, cols, rng), qtype, (rows, cols), [0, 7, 150, rows - 1])
+
+
+def _real_tensors(path: str) -> dict[Q, object]:
+    _, tensors = read_gguf(path)
+    firsts = {}
+    for tensor in tensors:
+        if len(tensor.shape) == 2 and tensor.tensor_type != Q.F32:
+            firsts.setdefault(tensor.tensor_type, tensor)
+    return firsts
+
+
+def test_real_blocks_of_both_shipped_files(gemma3_gguf_path, smollm2_gguf_path):
+    seen = set()
+    for path in (gemma3_gguf_path, smollm2_gguf_path):
+        for qtype, tensor in _real_tensors(path).items():
+            shape = hf_shape(tensor)
+            check_packed(tensor.data, qtype, shape, [0, 1, shape[0] // 2, shape[0] - 1])
+            seen.add(qtype.name)
+    assert {"Q8_0", "Q4_K", "Q6_K", "Q4_1"} <= seen, seen
+
+
+def test_a_missing_compiler_falls_back_with_one_notice(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("VLLMPY_CACHE", str(tmp_path))
+    kernels.block_kernels.cache_clear()
+    kernels.block_layout.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllmpy"):
+            assert kernels.block_kernels() is None
+        notices = [r.message for r in caplog.records if "quantized CPU kernels unavailable" in r.message]
+        assert len(notices) == 1 and "dequantized at load" in notices[0]
+        assert not PackedTensor.packable(int(Q.Q4_K), (16, 256))  # so the loader takes the dense path
+    finally:
+        kernels.block_kernels.cache_clear()
+        kernels.block_layout.cache_clear()
+
+
+def test_model_on_packed_blocks_equals_the_dequantized_model(tmp_path):
+    """A llama GGUF mixing block types inside fused projections: q/k/v of two types (two packed
+    segments), an F32 shard among packed ones (expanded to dense), q/k rows un-permuted on packed
+    bytes, a packed tied table. Every projection and the embedding agree with the dequantized model."""
+    from tests.gguf.test_gguf_loader import _encode, _hparams, _weights, _write
+    from vllmpy.layers.linear import Linear
+    from vllmpy.loader.gguf import GGUFCheckpoint
+    from vllmpy.models.registry import resolve_model_class
+
+    rng = np.random.default_rng(3)
+    values = _weights(hidden=256, heads=4, kv_heads=2, ffn=256, vocab=64)
+    types = {"token_embd": Q.Q8_0,
+             "blk.0.attn_q": Q.Q4_K, "blk.0.attn_k": Q.Q4_K, "blk.0.attn_v": Q.Q6_K, "blk.0.attn_output": Q.IQ4_XS,
+             "blk.0.ffn_gate": Q.Q8_0, "blk.0.ffn_up": Q.Q8_0, "blk.0.ffn_down": Q.Q5_K,
+             "blk.1.attn_q": Q.Q4_0, "blk.1.attn_k": Q.F32, "blk.1.attn_v": Q.Q4_0, "blk.1.attn_output": Q.Q2_K,
+             "blk.1.ffn_gate": Q.F16, "blk.1.ffn_up": Q.Q5_1, "blk.1.ffn_down": Q.Q3_K}
+    tensors = {}
+    for name, array in values.items():
+        qtype = types.get(name.removesuffix(".weight"), Q.F32)
+        tensors[name] = (array if qtype == Q.F32 else _encode(array.astype(np.float16) if qtype == Q.F16 else array,
+                                                              qtype, rng), qtype)
+    path = _write(tmp_path / "mixed.gguf", "llama", _hparams("llama", hidden=256, ffn=256), tensors)
+    ckpt = GGUFCheckpoint(path)
+
+    def build(stream):
+        with torch.device("meta"):
+            model = resolve_model_class(ckpt.config)(ckpt.config)
+        model = model.to_empty(device="cpu")
+        model.tie_weights()
+        model.load_weights(stream)
+        return model
+
+    packed, dense = build(ckpt.weights(torch.float32, keep_packed=True)), build(ckpt.weights(torch.float32))
+    layer0, layer1 = packed.model.layers
+    assert [s.ggml_type for s in layer0.self_attn.qkv_proj.segments] == [int(Q.Q4_K), int(Q.Q6_K)]
+    assert layer1.self_attn.qkv_proj.packed is None and layer1.self_attn.qkv_proj.weight.numel() > 0  # F32 k
+    assert packed.lm_head.packed is packed.model.embed_tokens.packed is not None
+    ids = torch.tensor([0, 5, 63, 5])
+    assert torch.equal(packed.model.embed_tokens(ids), dense.model.embed_tokens(ids))
+    dense_modules = dict(dense.named_modules())
+    checked = 0
+    for name, module in packed.named_modules():
+        if isinstance(module, Linear):
+            reference = dense_modules[name]
+            x = torch.randn(3, reference.weight.shape[1])
+            bound = MATMUL_RTOL * (x.abs() @ reference.weight.abs().t())  # summation order only
+            assert torch.all((module(x) - reference(x)).abs() <= bound), name
+            checked += 1
+    assert checked == 2 * 4 + 1

@@ -1,0 +1,99 @@
+"""GGML-quantized weights kept packed, and the linear / embedding math on them.
+
+A `PackedTensor` is a 2-D weight as the GGUF file stores it: each row a run of whole blocks. A
+few activation rows (decode) go through the C kernel, which reads every block once for the whole
+batch; many rows (prefill, big batches) decode the weight slab by slab into a scratch buffer and
+hand each slab to torch's dense matmul, where the arithmetic dominates and BLAS is fastest.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllmpy.kernels import block_kernels, block_layout
+
+# Up to this many activation rows the block kernel wins; above it, decode + dense matmul.
+KERNEL_MAX_ROWS = 8
+# Floats per scratch slab (4 MiB): big enough to amortize the call, small enough to stay in cache.
+_SLAB_FLOATS = 1 << 20
+_scratch = threading.local()
+
+
+@dataclass
+class PackedTensor:
+    """A [rows, cols] weight in GGML blocks: `data` is uint8 [rows, bytes per row], often a file view."""
+
+    data: torch.Tensor
+    ggml_type: int
+    shape: tuple[int, int]
+
+    @staticmethod
+    def packable(ggml_type: int, shape: tuple[int, ...]) -> bool:
+        """A 2-D tensor whose rows are whole blocks of a type the kernels decode."""
+        layout = block_layout(ggml_type)
+        return layout is not None and len(shape) == 2 and shape[1] % layout[0] == 0
+
+    @staticmethod
+    def from_numpy(rows: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> PackedTensor:
+        """Wrap the file's bytes without copying; torch warns about the read-only mapping, which is never written."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            data = torch.from_numpy(rows.view(np.uint8).reshape(shape[0], -1))
+        return PackedTensor(data, ggml_type, shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 rows at `ids` (any shape), bit-identical to gguf's dequantize of those rows."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), self.shape[1], dtype=torch.float32)
+        block_kernels().vq_decode_rows(self.ggml_type, self.data.data_ptr(), self.data.shape[1], self.shape[1],
+                                       flat.data_ptr(), flat.numel(), out.data_ptr(), torch.get_num_threads())
+        return out.reshape(*ids.shape, self.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.shape[0]))
+
+    def concat(self, other: PackedTensor) -> PackedTensor:
+        """Rows of `other` appended (same type, same columns): fused q/k/v or gate/up in one weight."""
+        data = torch.cat([self.data, other.data])
+        return PackedTensor(data, self.ggml_type, (self.shape[0] + other.shape[0], self.shape[1]))
+
+
+def packed_linear(x: torch.Tensor, weight: PackedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ b) with W packed; float32 arithmetic, result in x's dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).to(torch.float32).contiguous()
+    rows = x2.shape[0]
+    if rows <= KERNEL_MAX_ROWS:
+        y = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        block_kernels().vq_matmul(weight.ggml_type, weight.data.data_ptr(), weight.data.shape[1], weight.shape[0], k,
+                                  x2.data_ptr(), rows, y.data_ptr(), weight.shape[0], torch.get_num_threads())
+    else:
+        y = _slab_matmul(x2, weight)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*lead, weight.shape[0])
+
+
+def _slab_matmul(x: torch.Tensor, weight: PackedTensor) -> torch.Tensor:
+    n, k = weight.shape
+    slab_rows = max(1, min(n, _SLAB_FLOATS // k))
+    scratch = getattr(_scratch, "buffer", None)
+    if scratch is None or scratch.numel() < slab_rows * k:
+        scratch = _scratch.buffer = torch.empty(max(_SLAB_FLOATS, slab_rows * k), dtype=torch.float32)
+    y_t = torch.empty(n, x.shape[0], dtype=torch.float32)
+    lib, threads, x_t = block_kernels(), torch.get_num_threads(), x.t()
+    for first in range(0, n, slab_rows):
+        count = min(slab_rows, n - first)
+        slab = scratch[:count * k].view(count, k)
+        lib.vq_decode_range(weight.ggml_type, weight.data.data_ptr(), weight.data.shape[1], k, first, count,
+                            slab.data_ptr(), threads)
+        torch.mm(slab, x_t, out=y_t[first:first + count])
+    return y_t.t()
