@@ -54,6 +54,11 @@ class Engine:
     weights = ""
     batching = "continuous batching"
 
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """Processes of its own (none: it runs in this one)."""
+        return ()
+
     def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
         raise NotImplementedError
 
@@ -145,6 +150,10 @@ class WorkerEngine(Engine):
         self.proc.stdin.flush()
         reply = self._reply()
         return reply["seconds"], reply["output_tokens"]
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return (self.proc.pid,)
 
     def close(self) -> None:
         self.proc.stdin.close()

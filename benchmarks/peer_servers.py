@@ -47,6 +47,10 @@ class Server:
         self.stop()
         raise RuntimeError(message)
 
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return (self.proc.pid,)
+
     def log_tail(self, lines: int = 20) -> str:
         with open(self._log) as f:
             return "".join(f.readlines()[-lines:])

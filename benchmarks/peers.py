@@ -100,11 +100,14 @@ class Prompts:
         return random_token_prompts(self.vocab, count, self.length, self.seed)
 
 
-def timed(engine: peer_engines.Engine, prompts: list[list[int]], max_tokens: int, foreign: list[float]) -> float:
-    """Seconds of one generate() call; appends the cores other processes used meanwhile to `foreign`."""
-    neighbours = machine.ForeignCpu()
-    seconds, produced = engine.generate(prompts, max_tokens)
-    foreign.append(neighbours.stop())
+def timed(engine: peer_engines.Engine, prompts: list[list[int]], max_tokens: int, foreign: list[float],
+          others: list[peer_engines.Engine]) -> float:
+    """Seconds of one generate() call with the other engines' processes paused; appends the cores other
+    processes used meanwhile to `foreign`."""
+    with machine.paused(pid for other in others if other is not engine for pid in other.pids):
+        neighbours = machine.ForeignCpu(engine.pids)
+        seconds, produced = engine.generate(prompts, max_tokens)
+        foreign.append(neighbours.stop())
     if produced != len(prompts) * max_tokens:
         raise RuntimeError(f"{engine.name} produced {produced} tokens, expected {len(prompts) * max_tokens}")
     return seconds
@@ -157,20 +160,20 @@ def run_offline(args: argparse.Namespace, engines: list[peer_engines.Engine], pr
                 results: dict, foreign: list[float]) -> None:
     """(a)+(b) from one pair of runs per repetition (1 token, then decode-len tokens), (c) from one batch."""
     for engine in engines:  # one-time costs (allocator, kernel choice) stay out of the timings
-        timed(engine, Prompts(prompts.vocab, 8, -1).take(1), 2, [])
+        timed(engine, Prompts(prompts.vocab, 8, -1).take(1), 2, [], engines)
     steps = [w for w in ("ab", "c") if set(w) & set(args.workloads)]
     with tqdm(total=args.repeats * len(steps) * len(engines), desc="offline runs", file=sys.stderr) as bar:
         for _ in range(args.repeats):
             for engine in engines:
                 if "ab" in steps:
-                    first = timed(engine, prompts.take(1), 1, foreign)
-                    full = timed(engine, prompts.take(1), args.decode_len, foreign)
+                    first = timed(engine, prompts.take(1), 1, foreign, engines)
+                    full = timed(engine, prompts.take(1), args.decode_len, foreign, engines)
                     for w, rate in (("a", (args.decode_len - 1) / (full - first)), ("b", args.prompt_len / first)):
                         if w in results:
                             results[w]["runs"].setdefault(engine.name, []).append(rate)
                     bar.update(1)
                 if "c" in steps:
-                    seconds = timed(engine, prompts.take(args.batch_prompts), args.decode_len, foreign)
+                    seconds = timed(engine, prompts.take(args.batch_prompts), args.decode_len, foreign, engines)
                     results["c"]["runs"].setdefault(engine.name, []).append(
                         args.batch_prompts * args.decode_len / seconds)
                     bar.update(1)
@@ -221,10 +224,11 @@ def run_serving(args: argparse.Namespace, servers: list[peer_servers.Server], pr
     for rep in range(args.repeats):
         for server in servers:
             log(f"serving run {rep + 1}/{args.repeats} on {server.name}")
-            neighbours = machine.ForeignCpu()
-            figures = asyncio.run(_serve_once(server, prompts.take(args.serve_prompts), args.decode_len,
-                                              args.clients, args.seed + rep))
-            foreign.append(neighbours.stop())
+            with machine.paused(pid for other in servers if other is not server for pid in other.pids):
+                neighbours = machine.ForeignCpu(server.pids)
+                figures = asyncio.run(_serve_once(server, prompts.take(args.serve_prompts), args.decode_len,
+                                                  args.clients, args.seed + rep))
+                foreign.append(neighbours.stop())
             if figures["errors"]:
                 raise RuntimeError(f"{server.name}: {figures['errors']} requests failed")
             runs.setdefault(server.name, []).append(figures["output_tok_per_s"])

@@ -150,3 +150,22 @@ def test_model_on_packed_blocks_equals_the_dequantized_model(tmp_path):
             assert torch.all((module(x) - reference(x)).abs() <= bound), name
             checked += 1
     assert checked == 2 * 4 + 1
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q5_0], ids=lambda t: t.name)
+def test_bfloat16_slabs(qtype):
+    """bf16 activations take bf16 slabs: decoded values rounded as torch rounds them, matmul within bf16 error."""
+    rng = np.random.default_rng(7)
+    rows, cols = 64, 512
+    data = random_blocks(qtype, rows, cols, rng)
+    packed = PackedTensor.from_numpy(data, int(qtype), (rows, cols))
+    slab = torch.empty(rows, cols, dtype=torch.bfloat16)
+    kernels.block_kernels().vq_decode_range_bf16(int(qtype), packed.data.data_ptr(), packed.data.shape[1], cols, 0,
+                                                 rows, slab.data_ptr(), 1)
+    assert torch.equal(slab, packed.dequantize().to(torch.bfloat16))
+    x = torch.randn(KERNEL_MAX_ROWS + 8, cols).to(torch.bfloat16)
+    y = packed_linear(x, packed)
+    assert y.dtype == torch.bfloat16
+    reference = x.double() @ packed.dequantize().double().t()
+    scale = x.double().abs() @ packed.dequantize().double().abs().t()
+    assert torch.all((y.double() - reference).abs() <= 2e-2 * scale)

@@ -70,8 +70,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vq_block_layout.restype = _INT
     lib.vq_decode_rows.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR, _INT]
     lib.vq_decode_range.argtypes = [_INT, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT]
+    lib.vq_decode_range_bf16.argtypes = [_INT, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT]
     lib.vq_matmul.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
-    for fn in (lib.vq_decode_rows, lib.vq_decode_range, lib.vq_matmul):
+    for fn in (lib.vq_decode_rows, lib.vq_decode_range, lib.vq_decode_range_bf16, lib.vq_matmul):
         fn.restype = None
     return lib
 

@@ -500,6 +500,31 @@ void vq_decode_range(int type, const uint8_t *w, int64_t row_bytes, int64_t k, i
     }
 }
 
+/* Round-to-nearest-even float -> bfloat16 bits (NaN stays NaN). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* vq_decode_range, rounded to bfloat16: the slab for a bf16 matmul (native on AVX512-BF16 / AMX). */
+void vq_decode_range_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t first, int64_t n_rows,
+                          uint16_t *out, int threads) {
+    const Format *f = find(type);
+    const int64_t nb = k / f->block_elems;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n_rows; i++) {
+        float buf[MAX_BLOCK];
+        const uint8_t *row = w + (first + i) * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            f->decode(row + b * f->block_bytes, buf);
+            uint16_t *o = out + i * k + b * f->block_elems;
+            for (int j = 0; j < f->block_elems; j++) o[j] = to_bf16(buf[j]);
+        }
+    }
+}
+
 /* y[m, n] = sum_k x[m, k] * W[n, k] for m < M (M <= 64), W packed [N, K]; y row stride ldy. */
 void vq_matmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const float *x, int64_t m_rows,
                float *y, int64_t ldy, int threads) {
