@@ -128,22 +128,29 @@ def memory_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return data.numel() * 4 / best
 
 
-def torch_weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of parameters one decode step reads: every parameter once, except an untied input embedding
-    table, of which a step reads one row."""
+def weight_bytes_per_token(model: torch.nn.Module, as_float32: bool = False) -> int:
+    """Bytes of weights one decode step reads: every parameter and packed GGUF weight once, except an
+    untied input embedding table, of which a step reads one row. as_float32: the same weights expanded
+    to float32 (what transformers holds)."""
     seen, total = set(), 0
-    embed = None
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if param.data_ptr() in seen:
-            continue
-        seen.add(param.data_ptr())
-        total += param.numel() * param.element_size()
-        if name.endswith("embed_tokens.weight"):
-            embed = param
-    lm_head = getattr(model, "lm_head", None)
-    tied = embed is not None and lm_head is not None and lm_head.weight.data_ptr() == embed.data_ptr()
-    if embed is not None and not tied:
-        total -= embed.numel() * embed.element_size()
+    for module in model.modules():
+        tensors = [(p.data_ptr(), p.numel() * (4 if as_float32 else p.element_size())) for p in
+                   module.parameters(recurse=False) if p.numel()]
+        for packed in [getattr(module, "packed", None), *getattr(module, "segments", [])]:
+            if packed is not None:
+                rows, cols = packed.shape
+                tensors.append((packed.data.data_ptr(), rows * cols * 4 if as_float32 else packed.nbytes))
+        for ptr, size in tensors:
+            if ptr not in seen:
+                seen.add(ptr)
+                total += size
+    embed = model.model.embed_tokens
+    head = getattr(model, "lm_head", None)
+    table = embed.packed if getattr(embed, "packed", None) is not None else embed.weight
+    tied = head is not None and (getattr(head, "packed", None) is table or head.weight.data_ptr() == table.data_ptr())
+    if not tied:
+        total -= embed.num_embeddings * embed.embedding_dim * 4 if as_float32 else (
+            table.nbytes if table is not embed.weight else table.numel() * table.element_size())
     return total
 
 

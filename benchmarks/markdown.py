@@ -70,7 +70,8 @@ def _load_line(run: dict) -> str:
 def _limit_section(run: dict) -> str:
     limit, bandwidth = run["limit"], run["limit"]["bandwidth"]
     decode = run["workloads"].get("a", {}).get("runs", {})
-    rows = [("vllmpy / transformers (fp32 weights in memory)", limit["vllmpy"], ("vllmpy", "transformers"))]
+    rows = [(f"vllmpy ({run['vllmpy_header']['Weight format']})", limit["vllmpy"], ("vllmpy",)),
+            ("transformers (float32 weights)", limit.get("float32", limit["vllmpy"]), ("transformers",))]
     if limit["gguf"]:
         rows.append(("llama.cpp (GGUF blocks as stored)", limit["gguf"], ("llama.cpp",)))
     lines = [(f"Measured memory read bandwidth: **{bandwidth / GIB:.1f} GiB/s** (best of 5 sums over a 1 GiB "

@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_rows = [{"engine": e.name, "version": e.version, "weights": e.weights, "batching": e.batching}
                    for e in engines]
     limit = {"bandwidth": bandwidth,
-             "vllmpy": machine.torch_weight_bytes_per_token(reference.core.model),
+             "vllmpy": machine.weight_bytes_per_token(reference.core.model),
+             "float32": machine.weight_bytes_per_token(reference.core.model, as_float32=True),
              "gguf": machine.gguf_weight_bytes_per_token(model) if model.endswith(".gguf") else None}
     header = reference.header
     if set(args.workloads) & set("abc"):

@@ -56,7 +56,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def weight_format(core: EngineCore) -> str:
-    """The checkpoint's storage format and what the loader turned it into (GGUF blocks are dequantized)."""
+    """The checkpoint's storage format and what the loader turned it into (GGUF blocks kept packed on the
+    CPU when the block kernels are available, else dequantized)."""
     ckpt = core.checkpoint
     held = dtype_name(core.dtype)
     if ckpt.format == "gguf":
@@ -66,6 +67,8 @@ def weight_format(core: EngineCore) -> str:
 
         file_type = read_gguf(ckpt.path)[0].get("general.file_type")
         name = "file type unset" if file_type is None else gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_")
+        if any(getattr(module, "packed", None) is not None for module in core.model.modules()):
+            return f"gguf {name}, quantized blocks kept packed (other tensors {held})"
         return f"gguf {name}, dequantized to {held} at load"
     declared = ckpt.config.get("torch_dtype") or ckpt.config.get("dtype") or "dtype undeclared"
     return f"{ckpt.format} {declared}, loaded as {held}"
