@@ -128,30 +128,26 @@ def memory_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return data.numel() * 4 / best
 
 
+def _weights(module: torch.nn.Module, as_float32: bool) -> list[tuple[int, int]]:
+    """(storage address, bytes) of a module's own dense parameters and packed GGUF weights."""
+    out = [(p.data_ptr(), p.numel() * (4 if as_float32 else p.element_size()))
+           for p in module.parameters(recurse=False) if p.numel()]
+    for packed in [getattr(module, "packed", None), *getattr(module, "segments", [])]:
+        if packed is not None:
+            out.append((packed.data.data_ptr(), packed.shape[0] * packed.shape[1] * 4 if as_float32
+                        else packed.nbytes))
+    return out
+
+
 def weight_bytes_per_token(model: torch.nn.Module, as_float32: bool = False) -> int:
     """Bytes of weights one decode step reads: every parameter and packed GGUF weight once, except an
     untied input embedding table, of which a step reads one row. as_float32: the same weights expanded
     to float32 (what transformers holds)."""
-    seen, total = set(), 0
-    for module in model.modules():
-        tensors = [(p.data_ptr(), p.numel() * (4 if as_float32 else p.element_size())) for p in
-                   module.parameters(recurse=False) if p.numel()]
-        for packed in [getattr(module, "packed", None), *getattr(module, "segments", [])]:
-            if packed is not None:
-                rows, cols = packed.shape
-                tensors.append((packed.data.data_ptr(), rows * cols * 4 if as_float32 else packed.nbytes))
-        for ptr, size in tensors:
-            if ptr not in seen:
-                seen.add(ptr)
-                total += size
-    embed = model.model.embed_tokens
-    head = getattr(model, "lm_head", None)
-    table = embed.packed if getattr(embed, "packed", None) is not None else embed.weight
-    tied = head is not None and (getattr(head, "packed", None) is table or head.weight.data_ptr() == table.data_ptr())
-    if not tied:
-        total -= embed.num_embeddings * embed.embedding_dim * 4 if as_float32 else (
-            table.nbytes if table is not embed.weight else table.numel() * table.element_size())
-    return total
+    sizes = {ptr: size for module in model.modules() for ptr, size in _weights(module, as_float32)}
+    embed = _weights(model.model.embed_tokens, as_float32)
+    head = _weights(model.lm_head, as_float32) if hasattr(model, "lm_head") else []
+    untied = sum(size for ptr, size in embed if ptr not in {p for p, _ in head})
+    return sum(sizes.values()) - untied
 
 
 def gguf_weight_bytes_per_token(path: str) -> int:
