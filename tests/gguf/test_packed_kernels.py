@@ -1,6 +1,6 @@
 """The block kernels against gguf-py's reference dequantizer: decoded rows bit-identical, matmuls
-within MATMUL_RTOL of float64 on the decoded weights; on random blocks of every type and on the
-real blocks of the two shipped GGUF files."""
+within matmul_bound of float64 on the decoded weights; on random blocks of every type, on the real
+blocks of the two shipped GGUF files, and on adversarial activations."""
 from __future__ import annotations
 
 import logging
@@ -17,8 +17,12 @@ from vllmpy.layers.quantized import KERNEL_MAX_ROWS, PackedTensor, packed_linear
 from vllmpy.loader.gguf.file import read_gguf
 from vllmpy.loader.gguf.quant import hf_shape
 
-# Only summation order differs from float64 over the same decoded weights.
+# Float32 summation vs float64 over the same decoded weights, relative to sum |x_i w_i|.
 MATMUL_RTOL = 2e-5
+# The few-row kernel also rounds x to a 30-bit fixed point per 32-value block (integer dot products):
+# at most 2^-30 of the block's largest |x| per value, so relative to sum_b max|x_b| * sum_{i in b} |w_i|
+# (2^-29: a factor 2 of margin). For ordinary activations this is ~1e-9 of sum |x_i w_i|.
+FIXED_RTOL = 2.0 ** -29
 # Byte offsets of each type's fp16 scale fields inside a block (random bytes there could be NaN/Inf).
 _HALF_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q2_K: (80, 82),
                 Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
@@ -38,6 +42,14 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> n
     return blocks.reshape(rows, -1)
 
 
+def matmul_bound(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """The error bound of x @ weight.T (float64 arrays) against exact arithmetic: float32 summation
+    plus the kernel's fixed-point rounding of x."""
+    blocks_x = np.abs(x).reshape(x.shape[0], -1, 32).max(-1)
+    blocks_w = np.abs(weight).reshape(weight.shape[0], -1, 32).sum(-1)
+    return MATMUL_RTOL * (np.abs(x) @ np.abs(weight).T) + FIXED_RTOL * (blocks_x @ blocks_w.T)
+
+
 def check_packed(data: np.ndarray, qtype: Q, shape: tuple[int, int], sample_rows: list[int]) -> None:
     packed = PackedTensor.from_numpy(data, int(qtype), shape)
     reference = dequantize(data[sample_rows], qtype).reshape(len(sample_rows), shape[1])
@@ -49,8 +61,8 @@ def check_packed(data: np.ndarray, qtype: Q, shape: tuple[int, int], sample_rows
         x = torch.randn(m, shape[1])
         expected = x.double().numpy() @ weight.T
         got = packed_linear(x, head).double().numpy()
-        scale = np.abs(x.double().numpy()) @ np.abs(weight.T)  # error bound grows with sum |x_i w_i|
-        assert np.all(np.abs(got - expected) <= MATMUL_RTOL * scale + 1e-30), f"{qtype.name} m={m}"
+        bound = matmul_bound(x.double().numpy(), weight)
+        assert np.all(np.abs(got - expected) <= bound + 1e-30), f"{qtype.name} m={m}"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,6 +76,53 @@ def test_random_blocks(qtype):
     rng = np.random.default_rng(int(qtype))
     rows, cols = 300, 512
     check_packed(random_blocks(qtype, rows, cols, rng), qtype, (rows, cols), [0, 7, 150, rows - 1])
+
+
+def adversarial_x(k: int, rng: np.random.Generator) -> np.ndarray:
+    """Eight activation rows that stress a per-block fixed-point scale."""
+    x = rng.standard_normal((8, k))
+    x[0] *= 1e-6
+    x[0, 3::32] = 1e4                      # one huge value per block, tiny others
+    x[1] = 0.0                             # all-zero blocks, negative zeros, one lone value
+    x[1, 32:96] = -0.0
+    x[1, 100] = 3.0
+    x[2, : k // 2] *= 1e-30                # 1e-30 blocks next to 1e30 blocks (2^200 apart)
+    x[2, k // 2:] *= 1e30
+    x[3] *= 1e-30                          # every block tiny (a row scale far from 1)
+    x[4] *= 1e30                           # every block huge
+    x[5, ::2] = 0.0                        # subnormal and near-FLT_MIN values
+    x[5, 1::2] *= 1e-38
+    x[5, 7] = 1e-45
+    x[6, ::64] *= 1e6                      # one outlier every other block, signs mixed
+    x[7] = -0.0                            # a row of negative zeros
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_adversarial_activations(qtype):
+    rng = np.random.default_rng(100 + int(qtype))
+    rows, cols = 64, 512
+    data = random_blocks(qtype, rows, cols, rng)
+    weight = dequantize(data, qtype).reshape(rows, cols).astype(np.float64)
+    x = adversarial_x(cols, rng)
+    packed = PackedTensor.from_numpy(data, int(qtype), (rows, cols))
+    got = np.concatenate([packed_linear(torch.from_numpy(x[i:i + KERNEL_MAX_ROWS]), packed).double().numpy()
+                          for i in range(0, len(x), KERNEL_MAX_ROWS)])  # through the few-row kernel
+    expected = x.astype(np.float64) @ weight.T
+    # float32 output: values below FLT_MIN are rounded to a multiple of 2^-149
+    assert np.all(np.abs(got - expected) <= matmul_bound(x.astype(np.float64), weight) + 2.0 ** -149), qtype.name
+    assert np.all(got[7] == 0.0)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_non_finite_activations_stay_in_their_row(qtype):
+    rng = np.random.default_rng(5)
+    rows, cols = 16, 256
+    packed = PackedTensor.from_numpy(random_blocks(qtype, rows, cols, rng), int(qtype), (rows, cols))
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    x[0, 40], x[2, 200] = np.nan, np.inf
+    got = packed_linear(torch.from_numpy(x), packed).numpy()
+    assert not np.isfinite(got[0]).any() and not np.isfinite(got[2]).any() and np.isfinite(got[1]).all()
 
 
 def _real_tensors(path: str) -> dict[Q, object]:
@@ -146,7 +205,7 @@ def test_model_on_packed_blocks_equals_the_dequantized_model(tmp_path):
         if isinstance(module, Linear):
             reference = dense_modules[name]
             x = torch.randn(3, reference.weight.shape[1])
-            bound = MATMUL_RTOL * (x.abs() @ reference.weight.abs().t())  # summation order only
+            bound = torch.from_numpy(matmul_bound(x.double().numpy(), reference.weight.detach().double().numpy()))
             assert torch.all((module(x) - reference(x)).abs() <= bound), name
             checked += 1
     assert checked == 2 * 4 + 1
@@ -169,3 +228,51 @@ def test_bfloat16_slabs(qtype):
     reference = x.double() @ packed.dequantize().double().t()
     scale = x.double().abs() @ packed.dequantize().double().abs().t()
     assert torch.all((y.double() - reference).abs() <= 2e-2 * scale)
+
+
+def _decode_range(qtype: Q, data: np.ndarray, cols: int, first: int, count: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Rows first .. first + count through vq_decode_range and vq_decode_range_bf16 (two threads)."""
+    lib = kernels.block_kernels()
+    data = np.ascontiguousarray(data)
+    f32 = np.full((count, cols), np.nan, np.float32)
+    bf16 = torch.full((count, cols), float("nan"), dtype=torch.bfloat16)
+    lib.vq_decode_range(int(qtype), data.ctypes.data, data.shape[1], cols, first, count, f32.ctypes.data, 2)
+    lib.vq_decode_range_bf16(int(qtype), data.ctypes.data, data.shape[1], cols, first, count, bf16.data_ptr(), 2)
+    return f32, bf16
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_range_decoders_bit_identical(qtype):
+    """The slab decoders (vectorized for the common types) on a row range starting mid-tensor: float32
+    bit-identical to gguf.quants.dequantize, bf16 its round-to-nearest-even (as torch rounds)."""
+    rng = np.random.default_rng(200 + int(qtype))
+    rows, cols, first, count = 37, 768, 5, 29
+    data = random_blocks(qtype, rows, cols, rng)
+    reference = dequantize(data, qtype).reshape(rows, cols).astype(np.float32)[first:first + count]
+    f32, bf16 = _decode_range(qtype, data, cols, first, count)
+    assert np.array_equal(f32.view(np.uint32), reference.view(np.uint32)), qtype.name
+    assert torch.equal(bf16.view(torch.int16), torch.from_numpy(reference).to(torch.bfloat16).view(torch.int16)), qtype.name
+
+
+@pytest.mark.parametrize("qtype", [t for t in _HALF_FIELDS], ids=lambda t: t.name)
+def test_range_decoders_on_extreme_scales(qtype):
+    """fp16 scales at the edges: subnormal, the largest finite, zero, negative, inf and NaN (values NaN where
+    the reference's are, every other value bit-identical, in float32 and bf16)."""
+    rng = np.random.default_rng(300 + int(qtype))
+    rows, cols = 8, 512
+    data = random_blocks(qtype, rows, cols, rng)
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = data.reshape(-1, size)
+    specials = np.array([2.0 ** -24, 6.1e-5, 65504.0, 0.0, -0.0, -0.013, np.inf, -np.inf, np.nan], np.float16)
+    for i in range(len(blocks)):
+        for offset in _HALF_FIELDS[qtype]:
+            blocks[i, offset:offset + 2] = specials[(i + offset) % len(specials):][:1].view(np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        reference = dequantize(data, qtype).reshape(rows, cols).astype(np.float32)[1:]
+    f32, bf16 = _decode_range(qtype, data, cols, 1, rows - 1)
+    nan = np.isnan(reference)
+    assert nan.any() and np.array_equal(np.isnan(f32), nan), qtype.name
+    assert np.array_equal(f32[~nan].view(np.uint32), reference[~nan].view(np.uint32)), qtype.name
+    expected = torch.from_numpy(reference).to(torch.bfloat16)
+    assert torch.equal(bf16.isnan(), torch.from_numpy(nan)), qtype.name
+    assert torch.equal(bf16[~torch.from_numpy(nan)].view(torch.int16), expected[~torch.from_numpy(nan)].view(torch.int16))

@@ -257,9 +257,10 @@ def test_input_logits_are_not_modified() -> None:
 # ---------------------------------------------------------------- invalid state
 
 
-def test_nan_row_raises_naming_the_row() -> None:
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_row_raises_naming_the_row(bad: float) -> None:
     logits = torch.randn(3, 10)
-    logits[1, 4] = float("nan")
+    logits[1, 4] = bad
     with pytest.raises(ValueError, match=r"\[1\]") as err:
         sample(logits, [row(), row(), row(temperature=0.0)])
     assert isinstance(err.value, SamplingRowError) and err.value.rows == [1]

@@ -1,16 +1,24 @@
-"""Portable paged attention in plain torch (any device).
+"""Portable paged attention in plain torch (any device), with a C decode kernel on CPU.
 
 K/V are written into the paged cache through the slot mapping. Decode rows (one new token) are
-attended in one batched call over the blocks each row needs (only the window's blocks for sliding
-layers); prefill rows attend one sequence at a time, reading the in-flight K/V directly when the
-sequence has no cached context. Non-causal (encoder) layers always get whole sequences in one step and
-never decode, so they attend the in-flight K/V and leave the cache alone.
+attended in one batched call: on CPU by the C kernel (vllmpy/kernels/paged_attention.c), which reads
+K/V in place through the block tables; elsewhere, or where the kernel did not build, in torch over a
+gathered copy of the blocks each row needs (only the window's blocks for sliding layers). Prefill rows
+attend one sequence at a time, reading the in-flight K/V directly when the sequence has no cached
+context. Non-causal (encoder) layers always get whole sequences in one step and never decode, so they
+attend the in-flight K/V and leave the cache alone.
 """
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
 from vllmpy.attention.base import AttentionMetadata, AttentionSpec
+from vllmpy.kernels import attention_kernels
+
+# Cache dtypes the C decode kernel reads, by its cache_dtype code.
+_KERNEL_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -28,8 +36,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode_rows:
-        index = _decode_index(meta, spec.sliding_window, q.device)
-        out[index["token_idx"]] = _decode(q[index["token_idx"]], kv_cache, index, spec)
+        _attend_decode_rows(q, kv_cache, meta, spec, out)
     for row in meta.prefill_rows:
         start, end = meta.query_start_loc[row], meta.query_start_loc[row + 1]
         seq_len = meta.seq_lens[row]
@@ -105,33 +112,90 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len:
     return out.permute(2, 0, 1, 3).reshape(q_len, spec.num_heads, -1)
 
 
-def _decode_index(meta: AttentionMetadata, window: int | None, device: torch.device) -> dict:
-    """Block indices and mask for the batched decode rows; memoised per step and window."""
-    key = ("decode", window)
+def _attend_decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, spec: AttentionSpec,
+                        out: torch.Tensor) -> None:
+    """out[t] for the decode rows' tokens t: the C kernel where it applies, else the torch path."""
+    lib = _decode_kernel(q, kv_cache)
+    if lib is not None:
+        _kernel_decode(lib, q, kv_cache, _decode_batch(meta, q.device), spec, out)
+        return
+    index = _decode_index(meta, spec.sliding_window, q.device)
+    out[index["token_idx"]] = _decode(q[index["token_idx"]], kv_cache, index, spec)
+
+
+def _decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor) -> ctypes.CDLL | None:
+    """The C decode kernel if it can serve this call: CPU tensors, a contiguous cache of a dtype it
+    reads, and the library built. Otherwise None (CUDA, no compiler) and torch attends."""
+    if q.device.type != "cpu" or kv_cache.dtype not in _KERNEL_CACHE_DTYPES or not kv_cache.is_contiguous():
+        return None
+    return attention_kernels()
+
+
+def _decode_batch(meta: AttentionMetadata, device: torch.device) -> dict:
+    """The decode rows' token indices, block tables and context lengths as int64 tensors, built once per
+    step (memoised in meta.cache) for every layer, both window kinds and both decode paths."""
+    key = ("decode-batch",)
     if key in meta.cache:
         return meta.cache[key]
     rows = meta.decode_rows
+    batch = {
+        "token_idx": torch.tensor([meta.query_start_loc[r] for r in rows], dtype=torch.int64, device=device),
+        "rows": torch.arange(len(rows), dtype=torch.int64, device=device),  # for q/out already gathered
+        "tables": meta.block_tables[rows].to(torch.int64).contiguous(),  # [B, max_blocks]
+        "seq_lens": torch.tensor([meta.seq_lens[r] for r in rows], dtype=torch.int64, device=device),
+    }
+    meta.cache[key] = batch
+    return batch
+
+
+def _kernel_decode(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: torch.Tensor, batch: dict, spec: AttentionSpec,
+                   out: torch.Tensor) -> None:
+    """The C kernel's decode attention: q rows batch["token_idx"] read, the same rows of out written.
+
+    Float32 q/out laid out [heads, dim] per token are used in place; otherwise (a bf16/f16 model) only
+    the decode rows are gathered to float32 and the result cast back, so prefill tokens in the same
+    step cost nothing here.
+    """
+    tokens = batch["token_idx"]
+    in_place = all(t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, out))
+    q32 = q if in_place else q[tokens].float()
+    out32 = out if in_place else torch.empty(q32.shape, dtype=torch.float32)
+    rows = tokens if in_place else batch["rows"]
+    tables, seq_lens = batch["tables"], batch["seq_lens"]
+    status = lib.vq_paged_decode(
+        q32.data_ptr(), q32.stride(0), rows.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        _KERNEL_CACHE_DTYPES[kv_cache.dtype], tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), len(rows),
+        kv_cache.shape[2], spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale, spec.logit_soft_cap or 0.0,
+        spec.sliding_window or 0, out32.data_ptr(), out32.stride(0), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"vq_paged_decode failed ({status})")
+    if not in_place:
+        out[tokens] = out32.to(out.dtype)
+
+
+def _decode_index(meta: AttentionMetadata, window: int | None, device: torch.device) -> dict:
+    """Block indices and mask for the torch path's batched decode rows; memoised per step and window."""
+    key = ("decode", window)
+    if key in meta.cache:
+        return meta.cache[key]
+    batch = _decode_batch(meta, device)
     bs = meta.block_size
-    seq_lens = [meta.seq_lens[r] for r in rows]
+    seq_lens = [meta.seq_lens[r] for r in meta.decode_rows]
     # First block each row needs: all for full attention, only the window's for sliding layers.
     first = [0 if window is None else max(0, (n - window)) // bs for n in seq_lens]
     last = [-(-n // bs) for n in seq_lens]
     width = max(b - a for a, b in zip(first, last))
     offsets = torch.arange(width, device=device)
     first_t = torch.tensor(first, device=device)
-    table = meta.block_tables[rows]
+    table = batch["tables"]
     cols = (first_t[:, None] + offsets[None, :]).clamp(max=table.shape[1] - 1)
     blocks = torch.gather(table, 1, cols)  # [B, width]
     k_pos = (first_t[:, None] * bs + torch.arange(width * bs, device=device)[None, :])
-    n = torch.tensor(seq_lens, device=device)[:, None]
+    n = batch["seq_lens"][:, None]
     visible = k_pos < n
     if window is not None:
         visible &= k_pos > n - 1 - window
-    index = {
-        "token_idx": torch.tensor([meta.query_start_loc[r] for r in rows], device=device),
-        "blocks": blocks,
-        "visible": visible,
-    }
+    index = {**batch, "blocks": blocks, "visible": visible}
     meta.cache[key] = index
     return index
 

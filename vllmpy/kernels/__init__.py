@@ -1,9 +1,12 @@
-"""CPU kernels that compute on GGML blocks (ggml_blocks.c), built for this machine on first use.
+"""CPU kernels in C, built for this machine on first use: compute on GGML blocks (ggml_blocks.c),
+decode attention read in place from the paged KV cache (paged_attention.c), and RMSNorm / rotary in
+one call each (layer_ops.c).
 
-The C source ships in the package and is compiled once with the system C compiler into the cache
+Each C source ships in the package and is compiled once with the system C compiler into the cache
 (`$VLLMPY_CACHE/kernels`, keyed by source, flags and CPU), then loaded with ctypes. Linking OpenMP
 resolves to the libgomp torch already loaded, so the kernels and torch share one thread pool.
-Where no compiler works, `block_kernels()` is None and callers keep the dequantize-at-load path.
+Where no compiler works each accessor is None and callers keep their torch paths: GGUF weights are
+dequantized at load, decode attention gathers the KV blocks, norms and rotary run as torch ops.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,10 +28,9 @@ from vllmpy.loader.default_model import cache_dir
 
 logger = logging.getLogger("vllmpy")
 
-_SOURCE = Path(__file__).with_name("ggml_blocks.c")
 _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-lm"]
 _NATIVE = ["-march=native"]
-_I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_I64, _INT, _PTR, _FLOAT = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 
 
 def _cpu_signature() -> str:
@@ -39,33 +42,45 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
-def _compile(compiler: str, flags: list[str], target: Path) -> None:
+def _compile(compiler: str, flags: list[str], source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built)], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *flags, str(source), "-o", str(built)], check=True, capture_output=True, text=True)
         os.replace(built, target)  # atomic: concurrent processes never load a half-written library
 
 
-def _build() -> Path:
+def _build(source: Path) -> Path:
+    """The cached library of `source` for this compiler and CPU, compiled if missing."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     errors = []
     for flags in (_FLAGS + _NATIVE, _FLAGS):
-        key = hashlib.sha256("\0".join([_SOURCE.read_text(), compiler, *flags, _cpu_signature()]).encode())
-        target = cache_dir() / "kernels" / f"ggml_blocks-{key.hexdigest()[:16]}.so"
+        key = hashlib.sha256("\0".join([source.read_text(), compiler, *flags, _cpu_signature()]).encode())
+        target = cache_dir() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
         if target.exists():
             return target
         try:
-            _compile(compiler, flags, target)
+            _compile(compiler, flags, source, target)
             return target
         except subprocess.CalledProcessError as exc:
             errors.append(exc.stderr.strip().splitlines()[-1] if exc.stderr.strip() else str(exc))
-    raise RuntimeError(f"compiling {_SOURCE.name} failed: {errors[-1]}")
+    raise RuntimeError(f"compiling {source.name} failed: {errors[-1]}")
 
 
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+def _load(source: str, bind: Callable[[ctypes.CDLL], ctypes.CDLL], unavailable: str) -> ctypes.CDLL | None:
+    """The bound library built from `source` (a file next to this module), or None after one warning
+    line: `unavailable` with the reason in its %s, saying what callers do instead."""
+    try:
+        torch.get_num_threads()  # make sure torch's OpenMP runtime is the one already loaded
+        return bind(ctypes.CDLL(str(_build(Path(__file__).with_name(source)))))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning(unavailable, exc)
+        return None
+
+
+def _bind_blocks(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vq_block_layout.argtypes = [_INT, ctypes.POINTER(_INT), ctypes.POINTER(_INT)]
     lib.vq_block_layout.restype = _INT
     lib.vq_decode_rows.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR, _INT]
@@ -77,15 +92,40 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _bind_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.vq_paged_decode.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _INT, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
+                                    _I64, _FLOAT, _FLOAT, _I64, _PTR, _I64, _INT]
+    lib.vq_paged_decode.restype = _INT
+    return lib
+
+
 @functools.cache
 def block_kernels() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (with a one-line notice) where it cannot be built."""
-    try:
-        torch.get_num_threads()  # make sure torch's OpenMP runtime is the one already loaded
-        return _bind(ctypes.CDLL(str(_build())))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("quantized CPU kernels unavailable (%s); GGUF weights are dequantized at load", exc)
-        return None
+    """The GGML block kernel library, or None (with a one-line notice) where it cannot be built."""
+    return _load("ggml_blocks.c", _bind_blocks,
+                 "quantized CPU kernels unavailable (%s); GGUF weights are dequantized at load")
+
+
+@functools.cache
+def attention_kernels() -> ctypes.CDLL | None:
+    """The paged decode-attention library, or None (with a one-line notice) where it cannot be built."""
+    return _load("paged_attention.c", _bind_attention,
+                 "paged-attention CPU kernel unavailable (%s); decode attention gathers the KV blocks in torch")
+
+
+def _bind_layer_ops(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.vq_rms_norm.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT]
+    lib.vq_rope.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
+    for fn in (lib.vq_rms_norm, lib.vq_rope):
+        fn.restype = None
+    return lib
+
+
+@functools.cache
+def layer_kernels() -> ctypes.CDLL | None:
+    """RMSNorm and rotary in one call each, or None (with a one-line notice) where it cannot be built."""
+    return _load("layer_ops.c", _bind_layer_ops,
+                 "layer CPU kernels unavailable (%s); norms and rotary run as torch ops")
 
 
 @functools.cache

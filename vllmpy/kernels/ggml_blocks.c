@@ -5,9 +5,14 @@
  * gguf.quants.dequantize. The matmul decodes one block into an L1 buffer and multiplies it into
  * every activation row before moving on, so the weights are read once per call whatever the batch.
  * Portable C: the compiler vectorizes the loops for the machine it is built on (-march=native).
+ * On AVX2 / AVX-512 machines the common types instead take integer row dots against a fixed-point
+ * copy of x (see "Integer row dots" below), which keep float32 accuracy.
  */
+#include <float.h>
+#include <limits.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define QK_K 256
@@ -216,35 +221,234 @@ static inline void dec_iq4_xs(const uint8_t *b, float *y) {
     }
 }
 
-/* Fused row . x for the common types, without a decode buffer: each block's integer values are
- * built in a vector register and converted 8 at a time (gcc scalarizes the int8 -> float conversion
- * of the plain loops), then scaled once per (sub-)block. Decode steps (one activation row) read the
- * whole model through these, so they get an AVX2 path; other CPUs and types use decode + dot. */
-#if defined(__AVX2__) && defined(__FMA__)
+/* Integer row dots for the common types: decode steps read the whole model through these.
+ *
+ * Per call, each activation row is converted once to block fixed point (FixedRow): each 32-value
+ * block b becomes integers X_i = round(x_i * 2^(30 - e_b)), where 2^e_b is the smallest power of two
+ * above the block's largest |x_i|. The scaling is exact (a power of two), so the only rounding is
+ * X_i's own: at most 2^(e_b - 31) <= 2^-30 of the block's largest |x|, and |X_i| < 2^30. Each X_i is
+ * stored as two int16 halves, X = hi * 2^15 + lo with hi in [-2^15, 2^15) and lo in [0, 2^15), so a
+ * weight block's quant integers q meet x in integer multiply-adds (pmaddwd):
+ *     sum_i q_i X_i = 2^15 * sum_i q_i hi_i + sum_i q_i lo_i,
+ * both sums exact in int32 (bounds at fx_dot). Each (sub-)block then costs one float multiply-add
+ * by d * sc * (the block's scale). Unlike llama.cpp's 8-bit x this keeps float32 accuracy: the
+ * error vs exact arithmetic is at most 2^-30 * sum_b max|x_b| * sum_{i in b} |w_i| from x's
+ * rounding, plus the float rounding of the per-block sums (as in a float32 dot product).
+ *
+ * Block scales are relative to the row's largest block (2^(e_b - e_max) <= 1); the row's unit
+ * 2^(e_max - 30) multiplies the final sum in double, so any finite x (1e-30 next to 1e30,
+ * subnormals) keeps that precision. Only a block more than ~2^100 below the row's largest one
+ * underflows to zero. Non-finite x gives NaN results for its activation row.
+ *
+ * The weights' integers are built in a vector register per block (as int8, then sign-extended to
+ * int16); the 512-bit path (AVX512BW) holds a block in one register, the AVX2 path in two (fused by
+ * AVX-VNNI's vpdpwssd where the compiler targets it). Other CPUs and types use decode + float dot. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_ROW_DOT 1
+#define FORCE_INLINE static inline __attribute__((always_inline)) /* so constant arguments specialize the body */
 
-static inline __m256 cvt8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
-
-/* sum_j q[j] * x[j] over 16 int8 values, as 8 float lanes. */
-static inline __m256 dot16(__m128i q, const float *x) {
-    return _mm256_fmadd_ps(cvt8(_mm_srli_si128(q, 8)), _mm256_loadu_ps(x + 8), _mm256_mul_ps(cvt8(q), _mm256_loadu_ps(x)));
-}
-
-static inline __m256 dot32(__m256i q, const float *x) {
-    return _mm256_add_ps(dot16(_mm256_castsi256_si128(q), x), dot16(_mm256_extracti128_si256(q, 1), x + 16));
-}
-
-static inline __m256 sum32(const float *x) {
-    return _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
-                         _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
-}
+typedef struct {
+    const int16_t *q;   /* per 32-value block: hi[32], then lo[32] */
+    const float *scale; /* per block: 2^(e_b - e_max); 0 for an all-zero block, NaN for a non-finite one */
+    const float *sum;   /* per block: scale * sum_i X_i, for the weights' min terms */
+    double unit;        /* 2^(e_max - 30): x_i = unit * scale_b * X_i up to X_i's rounding */
+} FixedRow;
 
 static inline float hsum(__m256 v) {
-    float lanes[8];
-    _mm256_storeu_ps(lanes, v);
-    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+static inline float hmax(__m256 v) {
+    const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    return fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3]));
+}
+
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+/* 2^p for p in [-126, 127]. */
+static inline float pow2f(int p) {
+    const uint32_t bits = (uint32_t)(p + 127) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* 16 int32 (two registers, each < 2^15 in magnitude) -> 16 int16 in order. */
+static inline __m256i pack16(__m256i a, __m256i b) {
+    return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8); /* packs interleaves 128-bit lanes */
+}
+
+/* x's k values (k a multiple of 32) in block fixed point. q: 64 int16 per block (64-byte aligned);
+ * scale and sum: one float per block, zero-padded to a multiple of 4 blocks; expo: one int per block. */
+static void fixed_row(const float *x, int64_t k, int16_t *q, float *scale, float *sum, int *expo, FixedRow *out) {
+    const int64_t nb = k / 32;
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i low15 = _mm256_set1_epi32(0x7fff);
+    int e_max = INT_MIN;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 v[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(x + 32 * b + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], abs_mask));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q)); /* max_ps may drop a NaN */
+        }
+        const float m = hmax(amax);
+        int16_t *qb = q + 64 * b;
+        expo[b] = INT_MIN;
+        if (!_mm256_testz_ps(nan, nan) || m > FLT_MAX || m == 0.0f) { /* non-finite or all zero */
+            memset(qb, 0, 64 * sizeof(int16_t));
+            scale[b] = sum[b] = m == 0.0f && _mm256_testz_ps(nan, nan) ? 0.0f : NAN;
+            continue;
+        }
+        uint32_t bits;
+        memcpy(&bits, &m, 4);
+        int e = (int)(bits >> 23) - 126; /* m < 2^e <= 2m */
+        if (bits < 0x00800000u) frexpf(m, &e); /* subnormal */
+        /* x * 2^(30 - e), exact: the power of two (up to 2^178 for subnormal x) in two float factors */
+        const int shift = 30 - e;
+        const __m256 f1 = _mm256_set1_ps(pow2f(shift / 2)), f2 = _mm256_set1_ps(pow2f(shift - shift / 2));
+        __m256i hi[4], lo[4], sum_hi = _mm256_setzero_si256(), sum_lo = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i big = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[j], f1), f2)); /* |X| < 2^30 */
+            hi[j] = _mm256_srai_epi32(big, 15);
+            lo[j] = _mm256_and_si256(big, low15);
+            sum_hi = _mm256_add_epi32(sum_hi, hi[j]);
+            sum_lo = _mm256_add_epi32(sum_lo, lo[j]);
+        }
+        _mm256_store_si256((__m256i *)qb, pack16(hi[0], hi[1]));
+        _mm256_store_si256((__m256i *)(qb + 16), pack16(hi[2], hi[3]));
+        _mm256_store_si256((__m256i *)(qb + 32), pack16(lo[0], lo[1]));
+        _mm256_store_si256((__m256i *)(qb + 48), pack16(lo[2], lo[3]));
+        sum[b] = (float)((int64_t)hsum_i32(sum_hi) * 32768 + hsum_i32(sum_lo));
+        expo[b] = e;
+        if (e > e_max) e_max = e;
+    }
+    if (e_max == INT_MIN) e_max = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        if (expo[b] == INT_MIN) continue;
+        const int p = expo[b] - e_max;
+        const float s = p >= -126 ? pow2f(p) : ldexpf(1.0f, p); /* exact down to 2^-149, then 0 */
+        scale[b] = s;
+        sum[b] *= s;
+    }
+    for (int64_t b = nb; b % 4; b++) scale[b] = sum[b] = 0.0f;
+    out->q = q;
+    out->scale = scale;
+    out->sum = sum;
+    out->unit = ldexp(1.0, e_max - 30);
+}
+
+/* Bounds for the integer sums: a quant integer times its int16 weight factor is at most 2^12 in
+ * magnitude (int8 values: 2^7; Q6_K's (q - 32) * sc: 2^5 * 2^7), times |hi| <= 2^15 or lo < 2^15:
+ * < 2^27 per product. An int32 lane sums at most 4 products (< 2^29): no overflow, and pmaddwd's
+ * one wrapping case (-2^15 * -2^15 twice) cannot occur. */
+
+/* SHARE: activation rows that share one build of each weight block's integers, their accumulators
+ * in registers (4 with AVX-512's 32 vector registers, 2 with AVX2's 16). */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define FX_512 1
+#define SHARE 4
+typedef __m512i qv; /* one block's 32 quant integers as int16, in block order */
+typedef __m512 fv;  /* float partial sums */
+
+static inline qv qv_from_i8(__m256i q) { return _mm512_cvtepi8_epi16(q); }
+
+/* q with values 0-15 times sc[g], values 16-31 times sc[g + 1] (Q6_K's 16-value scales). */
+static inline qv qv_mul_halves(qv q, const int16_t *sc, int g) {
+    const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16((short)g),
+                                         _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1));
+    const __m512i scales = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)sc));
+    return _mm512_mullo_epi16(q, _mm512_permutexvar_epi16(idx, scales));
+}
+
+/* sum_i q_i X_i of one block as float lanes (2 products per int32 lane). */
+static inline fv fx_dot(qv q, const int16_t *xq) {
+    const __m512i h = _mm512_madd_epi16(q, _mm512_load_si512(xq)), l = _mm512_madd_epi16(q, _mm512_load_si512(xq + 32));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), _mm512_set1_ps(32768.0f), _mm512_cvtepi32_ps(l));
+}
+
+static inline fv fv_zero(void) { return _mm512_setzero_ps(); }
+static inline fv fv_fma(float s, fv t, fv acc) { return _mm512_fmadd_ps(_mm512_set1_ps(s), t, acc); }
+static inline fv fv_add(fv a, fv b) { return _mm512_add_ps(a, b); }
+static inline float fv_sum(fv v) {
+    const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), upper));
+}
+#else
+#define SHARE 2
+typedef struct { __m256i a, b; } qv; /* values 0-15 and 16-31 as int16 */
+typedef __m256 fv;
+
+static inline qv qv_from_i8(__m256i q) {
+    const qv r = {_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)),
+                  _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1))};
+    return r;
+}
+
+static inline qv qv_mul_halves(qv q, const int16_t *sc, int g) {
+    const qv r = {_mm256_mullo_epi16(q.a, _mm256_set1_epi16(sc[g])),
+                  _mm256_mullo_epi16(q.b, _mm256_set1_epi16(sc[g + 1]))};
+    return r;
+}
+
+/* sum of q_i * x_i over the block's 32 int16 x (4 products per int32 lane). */
+static inline __m256i madd32(qv q, const int16_t *x) {
+    const __m256i first = _mm256_madd_epi16(q.a, _mm256_load_si256((const __m256i *)x));
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(first, q.b, _mm256_load_si256((const __m256i *)(x + 16)));
+#else
+    return _mm256_add_epi32(first, _mm256_madd_epi16(q.b, _mm256_load_si256((const __m256i *)(x + 16))));
+#endif
+}
+
+static inline fv fx_dot(qv q, const int16_t *xq) {
+    const __m256 h = _mm256_cvtepi32_ps(madd32(q, xq)), l = _mm256_cvtepi32_ps(madd32(q, xq + 32));
+    return _mm256_fmadd_ps(h, _mm256_set1_ps(32768.0f), l);
+}
+
+static inline fv fv_zero(void) { return _mm256_setzero_ps(); }
+static inline fv fv_fma(float s, fv t, fv acc) { return _mm256_fmadd_ps(_mm256_set1_ps(s), t, acc); }
+static inline fv fv_add(fv a, fv b) { return _mm256_add_ps(a, b); }
+static inline float fv_sum(fv v) { return hsum(v); }
+#endif
+
+#ifdef FX_512
+/* 16 packed bytes -> the 32 nibbles as int16, low nibbles first (the 32-block layout): one
+ * zero-extension of the bytes twice over, a shift by 4 in the upper half, one mask. */
+static inline __m512i nibbles32_i16(const uint8_t *qs) {
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs)));
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(bytes, shift), _mm512_set1_epi16(0x0F));
+}
+
+/* One 32-value block's quant integers (the value is d * q, or d * q + m with a min), built
+ * directly as int16: the fifth bits of Q5 as a mask register (bit j is value j's), the IQ4_NL
+ * codebook as a word permutation. */
+static inline qv block32_q(int type, const uint8_t *b) {
+    uint32_t qh;
+    switch (type) {
+    case 2: return _mm512_sub_epi16(nibbles32_i16(b + 2), _mm512_set1_epi16(8));
+    case 3: return nibbles32_i16(b + 4);
+    case 6: /* (n | 16 * bit) - 16: subtract 16 where the bit is clear */
+        memcpy(&qh, b + 2, 4);
+        return _mm512_mask_sub_epi16(nibbles32_i16(b + 6), (__mmask32)~qh, nibbles32_i16(b + 6), _mm512_set1_epi16(16));
+    case 7:
+        memcpy(&qh, b + 4, 4);
+        return _mm512_mask_add_epi16(nibbles32_i16(b + 8), (__mmask32)qh, nibbles32_i16(b + 8), _mm512_set1_epi16(16));
+    case 20: {
+        const __m128i book8 = _mm_loadu_si128((const __m128i *)kvalues_iq4nl);
+        const __m512i book = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(book8));
+        return _mm512_permutexvar_epi16(nibbles32_i16(b + 2), book);
+    }
+    default: return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + 2)));
+    }
+}
+#else
 /* 16 packed bytes -> 32 values: low nibbles first, then high nibbles (the 32-block layout). */
 static inline __m256i nibbles32(const uint8_t *qs) {
     const __m128i raw = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0x0F);
@@ -259,22 +463,18 @@ static inline __m256i fifth_bits(uint32_t bits) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
-/* Signed values and (scale, offset) of one 32-value block: value = d * q + m. */
-static inline __m256i block32(int type, const uint8_t *b, float *d, float *m) {
+/* The same as int8 (AVX2 has no word masks), then sign-extended. */
+static inline __m256i block32_i8(int type, const uint8_t *b) {
     uint32_t qh;
-    *d = rd_h(b);
-    *m = 0.0f;
     switch (type) {
     case 2: /* Q4_0 */
         return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
     case 3: /* Q4_1 */
-        *m = rd_h(b + 2);
         return nibbles32(b + 4);
     case 6: /* Q5_0 */
         memcpy(&qh, b + 2, 4);
         return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(qh)), _mm256_set1_epi8(16));
     case 7: /* Q5_1 */
-        *m = rd_h(b + 2);
         memcpy(&qh, b + 4, 4);
         return _mm256_or_si256(nibbles32(b + 8), fifth_bits(qh));
     case 20: { /* IQ4_NL: nibbles index the non-linear codebook */
@@ -286,103 +486,452 @@ static inline __m256i block32(int type, const uint8_t *b, float *d, float *m) {
     }
 }
 
-static inline float row_dot32(int type, int block_bytes, const uint8_t *row, const float *x, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps(), acc_m = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        float d, m;
-        const __m256i q = block32(type, row + b * block_bytes, &d, &m);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), dot32(q, x + 32 * b), acc);
-        if (type == 3 || type == 7) acc_m = _mm256_fmadd_ps(_mm256_set1_ps(m), sum32(x + 32 * b), acc_m);
+static inline qv block32_q(int type, const uint8_t *b) { return qv_from_i8(block32_i8(type, b)); }
+#endif
+
+/* The fp16 at p, p + stride, ... for n <= 4 blocks (zeros past n), read in general registers and
+ * packed into one 64-bit word: a vector insert per block would cost as much as its dot. */
+static inline __m128i halves4(const uint8_t *p, int stride, int n) {
+    uint64_t w = 0;
+    for (int i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, p + i * stride, 2);
+        w |= (uint64_t)h << (16 * i);
     }
-    return hsum(_mm256_add_ps(acc, acc_m));
+    __asm__("" : "+r"(w)); /* keep gcc from redoing this in vector shuffles */
+    return _mm_cvtsi64_si128((int64_t)w);
 }
 
-/* Q4_K / Q5_K: 8 sub-blocks of 32, value = (d * sc) * q - dmin * m. */
-static inline float row_dot_k45(int type, int block_bytes, const uint8_t *row, const float *x, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
+/* Row . x over 32-value blocks, 4 blocks at a time, for `rows` activation rows x[0..rows) sharing
+ * each block's integers: out[r] = sum_b d_b * scale_b * (q_b . X_b), plus m_b * (scale_b * sum X_b)
+ * for the types with a min. */
+FORCE_INLINE void row_dot32(int type, int block_bytes, const uint8_t *row, const FixedRow *x, int rows, int64_t nb,
+                            float *out) {
+    const int has_min = type == 3 || type == 7;
+    fv acc0[SHARE], acc1[SHARE]; /* two chains per row: an FMA's latency exceeds a block's work */
+    __m128 mins[SHARE];
+    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = fv_zero(), mins[r] = _mm_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+        const uint8_t *group = row + b0 * block_bytes;
+        const int n = nb - b0 < 4 ? (int)(nb - b0) : 4; /* x's scales and sums are zero-padded past nb */
+        const __m128 d = _mm_cvtph_ps(n == 4 ? halves4(group, block_bytes, 4) : halves4(group, block_bytes, n));
+        const int16_t *xq[SHARE];
+        float scale[SHARE][4]; /* d * x's block scale */
+        for (int r = 0; r < rows; r++) {
+            xq[r] = x[r].q + 64 * b0;
+            _mm_storeu_ps(scale[r], _mm_mul_ps(d, _mm_loadu_ps(x[r].scale + b0)));
+        }
+        __asm__("" : "+m"(scale)); /* reread from memory: a broadcast load per block, not two shuffles */
+        if (has_min) {
+            const __m128i mh = n == 4 ? halves4(group + 2, block_bytes, 4) : halves4(group + 2, block_bytes, n);
+            const __m128 m = _mm_cvtph_ps(mh);
+            for (int r = 0; r < rows; r++) mins[r] = _mm_fmadd_ps(m, _mm_loadu_ps(x[r].sum + b0), mins[r]);
+        }
+        if (n == 4) {
+            for (int i = 0; i < 4; i += 2) {
+                const qv q0 = block32_q(type, group + i * block_bytes);
+                const qv q1 = block32_q(type, group + (i + 1) * block_bytes);
+                for (int r = 0; r < rows; r++) {
+                    acc0[r] = fv_fma(scale[r][i], fx_dot(q0, xq[r] + 64 * i), acc0[r]);
+                    acc1[r] = fv_fma(scale[r][i + 1], fx_dot(q1, xq[r] + 64 * (i + 1)), acc1[r]);
+                }
+            }
+        } else {
+            for (int i = 0; i < n; i++) {
+                const qv q = block32_q(type, group + i * block_bytes);
+                for (int r = 0; r < rows; r++) acc0[r] = fv_fma(scale[r][i], fx_dot(q, xq[r] + 64 * i), acc0[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const __m128 m = _mm_add_ps(mins[r], _mm_movehl_ps(mins[r], mins[r]));
+        out[r] = fv_sum(fv_add(acc0[r], acc1[r])) + (has_min ? m[0] + m[1] : 0.0f);
+    }
+}
+
+/* The eight 6-bit (scale, min) pairs of a Q4_K / Q5_K block as bytes: sc[0..7], m[0..7]
+ * (scale_min_k4 for all j at once, in 32-bit words). */
+static inline void scales_mins_k4(const uint8_t *packed, uint8_t *sc, uint8_t *m) {
+    uint32_t u[3], out[4];
+    memcpy(u, packed, 12);
+    out[0] = u[0] & 0x3f3f3f3fu;
+    out[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    out[2] = u[1] & 0x3f3f3f3fu;
+    out[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, out, 8);
+    memcpy(m, out + 2, 8);
+}
+
+static inline __m256 bytes8_to_ps(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* Sub-blocks 2j (the low nibbles of 32 bytes qs) and 2j + 1 (the high nibbles) of a Q4_K / Q5_K
+ * block; with qh (Q5_K) plus 16 where bit 2j / 2j + 1 of qh[l] is set for value l. */
+static inline void k45_pair(const uint8_t *qs, const uint8_t *qh, int j, qv *lo, qv *hi) {
+#ifdef FX_512 /* zero-extended bytes: a mask and a shift give both halves, the fifth bits a masked add */
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)qs));
+    *lo = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F));
+    *hi = _mm512_srli_epi16(bytes, 4);
+    if (qh) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)qh);
+        const __mmask32 lo5 = _mm256_test_epi8_mask(bits, _mm256_set1_epi8((char)(1 << (2 * j))));
+        const __mmask32 hi5 = _mm256_test_epi8_mask(bits, _mm256_set1_epi8((char)(2 << (2 * j))));
+        *lo = _mm512_mask_add_epi16(*lo, lo5, *lo, _mm512_set1_epi16(16));
+        *hi = _mm512_mask_add_epi16(*hi, hi5, *hi, _mm512_set1_epi16(16));
+    }
+#else
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)qs), low4 = _mm256_set1_epi8(0x0F);
+    __m256i l = _mm256_and_si256(raw, low4), h = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+    if (qh) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)qh), sixteen = _mm256_set1_epi8(0x10);
+        const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * j))), b1 = _mm256_set1_epi8((char)(2 << (2 * j)));
+        l = _mm256_or_si256(l, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, b0), b0), sixteen));
+        h = _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, b1), b1), sixteen));
+    }
+    *lo = qv_from_i8(l);
+    *hi = qv_from_i8(h);
+#endif
+}
+
+/* Q4_K / Q5_K: 8 sub-blocks of 32, value = (d * sc) * q - dmin * m; the min terms as one 8-lane
+ * product with x's block sums. Rows as in row_dot32. */
+FORCE_INLINE void row_dot_k45(int type, int block_bytes, const uint8_t *row, const FixedRow *x, int rows, int64_t nb,
+                              float *out) {
+    fv acc0[SHARE], acc1[SHARE];
+    __m256 mins[SHARE];
+    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = fv_zero(), mins[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * block_bytes;
-        const float d = rd_h(blk), dmin = rd_h(blk + 2);
-        const uint8_t *qs = blk + (type == 12 ? 16 : 48);
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-        const float *xb = x + QK_K * b;
+        const uint8_t *qs = blk + (type == 12 ? 16 : 48), *qh = type == 12 ? 0 : blk + 16;
+        uint8_t sc[8], m[8];
+        scales_mins_k4(blk + 4, sc, m);
+        const __m256 dsc = _mm256_mul_ps(bytes8_to_ps(sc), _mm256_set1_ps(rd_h(blk)));
+        const __m256 dm = _mm256_mul_ps(bytes8_to_ps(m), _mm256_set1_ps(rd_h(blk + 2)));
+        const int16_t *xq[SHARE];
+        float scale[SHARE][8]; /* d * sc * x's block scale, per sub-block */
+        for (int r = 0; r < rows; r++) {
+            xq[r] = x[r].q + 64 * 8 * b;
+            _mm256_storeu_ps(scale[r], _mm256_mul_ps(dsc, _mm256_loadu_ps(x[r].scale + 8 * b)));
+            mins[r] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(x[r].sum + 8 * b), mins[r]);
+        }
+        __asm__("" : "+m"(scale)); /* reread from memory: a broadcast load per sub-block */
         for (int j = 0; j < 4; j++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-            if (type == 13) {
-                const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * j))), b1 = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
-                const __m256i sixteen = _mm256_set1_epi8(0x10);
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), sixteen));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), sixteen));
+            qv lo, hi;
+            k45_pair(qs + 32 * j, qh, j, &lo, &hi);
+            for (int r = 0; r < rows; r++) {
+                acc0[r] = fv_fma(scale[r][2 * j], fx_dot(lo, xq[r] + 128 * j), acc0[r]);
+                acc1[r] = fv_fma(scale[r][2 * j + 1], fx_dot(hi, xq[r] + 128 * j + 64), acc1[r]);
             }
-            int sc, m;
-            scale_min_k4(2 * j, blk + 4, &sc, &m);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc), dot32(lo, xb + 64 * j), acc);
-            acc = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * (float)m), sum32(xb + 64 * j), acc);
-            scale_min_k4(2 * j + 1, blk + 4, &sc, &m);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc), dot32(hi, xb + 64 * j + 32), acc);
-            acc = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * (float)m), sum32(xb + 64 * j + 32), acc);
         }
     }
-    return hsum(acc);
+    for (int r = 0; r < rows; r++) out[r] = fv_sum(fv_add(acc0[r], acc1[r])) - hsum(mins[r]);
 }
 
-/* Q6_K: value = (d * sc[16-group]) * (q - 32), q six bits from ql nibbles and qh pairs. */
-static inline float row_dot_q6_k(const uint8_t *row, const float *x, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
+/* The 128 values of Q6_K half `half` as int8 q - 32, in four quadrants of 32 (quadrant k: values
+ * 128 * half + 32 * k + l, l < 32, scales sc[8 * half + 2 * k] and sc[8 * half + 2 * k + 1]). */
+static inline void q6_quads(const uint8_t *blk, int half, __m256i quad[4]) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+    const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half));
+    const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
+    quad[0] = _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_slli_epi16(_mm256_and_si256(qh, three), 4));
+    quad[1] = _mm256_or_si256(_mm256_and_si256(ql1, low4),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), three), 4));
+    quad[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4));
+    quad[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4));
+    for (int k = 0; k < 4; k++) quad[k] = _mm256_sub_epi8(quad[k], bias);
+}
+
+/* Q6_K: value = (d * sc[16-group]) * (q - 32), q six bits from ql nibbles and qh pairs. The int8
+ * scales multiply the int16 quant values (|(q - 32) * sc| <= 2^12), so a 32-value chunk with two
+ * 16-value scales still takes one float scale, d * (x's block scale). */
+FORCE_INLINE void row_dot_q6_k(const uint8_t *row, const FixedRow *x, int rows, int64_t nb, float *out) {
+    fv acc0[SHARE], acc1[SHARE];
+    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = fv_zero();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + 210 * b;
-        const int8_t *scales = (const int8_t *)(blk + 192);
-        const float d = rd_h(blk + 208);
+        const __m256 d = _mm256_set1_ps(rd_h(blk + 208));
+        int16_t sc[16];
+        const int16_t *xq[SHARE];
+        float scale[SHARE][8]; /* d * x's block scale, per 32-value chunk */
+        _mm256_storeu_si256((__m256i *)sc, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
+        for (int r = 0; r < rows; r++) {
+            xq[r] = x[r].q + 64 * 8 * b;
+            _mm256_storeu_ps(scale[r], _mm256_mul_ps(d, _mm256_loadu_ps(x[r].scale + 8 * b)));
+        }
+        __asm__("" : "+m"(scale)); /* reread from memory: a broadcast load per chunk */
         for (int half = 0; half < 2; half++) {
-            const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half));
-            const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * half + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half));
-            const __m256i quad[4] = {
-                _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_slli_epi16(_mm256_and_si256(qh, three), 4)),
-                _mm256_or_si256(_mm256_and_si256(ql1, low4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), three), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4)),
-            };
-            const float *xh = x + QK_K * b + 128 * half;
-            const int8_t *sc = scales + 8 * half;
-            for (int k = 0; k < 4; k++) {
-                const __m256i q = _mm256_sub_epi8(quad[k], bias);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[2 * k]), dot16(_mm256_castsi256_si128(q), xh + 32 * k), acc);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[2 * k + 1]),
-                                      dot16(_mm256_extracti128_si256(q, 1), xh + 32 * k + 16), acc);
+            __m256i quad[4];
+            q6_quads(blk, half, quad);
+            for (int k = 0; k < 4; k += 2) { /* chunk c = 4 * half + k: 32 values, scales sc[2c], sc[2c + 1] */
+                const int c = 4 * half + k;
+                const qv q0 = qv_mul_halves(qv_from_i8(quad[k]), sc, 2 * c);
+                const qv q1 = qv_mul_halves(qv_from_i8(quad[k + 1]), sc, 2 * c + 2);
+                for (int r = 0; r < rows; r++) {
+                    acc0[r] = fv_fma(scale[r][c], fx_dot(q0, xq[r] + 64 * c), acc0[r]);
+                    acc1[r] = fv_fma(scale[r][c + 1], fx_dot(q1, xq[r] + 64 * (c + 1)), acc1[r]);
+                }
             }
         }
     }
-    return hsum(acc);
+    for (int r = 0; r < rows; r++) out[r] = fv_sum(fv_add(acc0[r], acc1[r]));
 }
 
-/* Whether `type` has a fused row dot here, and the dot itself. */
+/* Whole-row decoders for the slab path (vq_decode_range and its bf16 twin): each block's integers
+ * are built in registers as for the row dots above, converted with cvtepi32_ps, then given the
+ * scalar decoder's own float operations in its order (separate mul / add / sub: nothing for the
+ * compiler to contract), so every value stays bit-identical to dec_*. */
+#ifdef FX_512
+#define FVW 16 /* floats per fv */
+static inline void qv_to_ps(qv q, fv f[32 / FVW]) {
+    f[0] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(q)));
+    f[1] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q, 1)));
+}
+static inline fv fv_set1(float s) { return _mm512_set1_ps(s); }
+static inline fv fv_mul(fv a, fv b) { return _mm512_mul_ps(a, b); }
+static inline fv fv_sub(fv a, fv b) { return _mm512_sub_ps(a, b); }
+static inline void fv_store(float *y, fv v) { _mm512_storeu_ps(y, v); }
+/* to_bf16 on 16 lanes: round to nearest even, a NaN quieted. AVX512-BF16's vcvtneps2bf16 rounds the
+ * same way but reads subnormal inputs as zero and has its own NaN bits: it takes the lanes without
+ * NaN, which is every lane here, as a decoded value is 0 or at least 2^-24 in magnitude (fp16 scales
+ * times small integers, sums of such multiples of 2^-24) and so never subnormal. */
+static inline void fv_store_bf16(uint16_t *y, fv v) {
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+#if defined(__AVX512BF16__)
+    if (!nan) {
+        _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(v));
+        return;
+    }
+#endif
+    const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __m512i r = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(r));
+}
+#else
+#define FVW 8
+static inline void qv_to_ps(qv q, fv f[32 / FVW]) {
+    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q.a)));
+    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q.a, 1)));
+    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(q.b)));
+    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(q.b, 1)));
+}
+static inline fv fv_set1(float s) { return _mm256_set1_ps(s); }
+static inline fv fv_mul(fv a, fv b) { return _mm256_mul_ps(a, b); }
+static inline fv fv_sub(fv a, fv b) { return _mm256_sub_ps(a, b); }
+static inline void fv_store(float *y, fv v) { _mm256_storeu_ps(y, v); }
+static inline void fv_store_bf16(uint16_t *y, fv v) {
+    const __m256i u = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    _mm_storeu_si128((__m128i *)y, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+#endif
+
+/* Values i .. i + FVW of the output slab (float, or bfloat16 when bf16). */
+FORCE_INLINE void fv_emit(int bf16, void *out, int64_t i, fv v) {
+    if (bf16)
+        fv_store_bf16((uint16_t *)out + i, v);
+    else
+        fv_store((float *)out + i, v);
+}
+
+/* dec_q4_0 / q4_1 / q5_0 / q5_1 / q8_0 / iq4_nl: d * q, then + m for the types with a min (Q8_0's
+ * q * d is the same product). */
+FORCE_INLINE void fast_block32(int type, int bf16, const uint8_t *b, void *out, int64_t i) {
+    fv f[32 / FVW];
+    qv_to_ps(block32_q(type, b), f);
+    const fv d = fv_set1(rd_h(b));
+    for (int c = 0; c < 32 / FVW; c++) {
+        fv v = fv_mul(d, f[c]);
+        if (type == 3 || type == 7) v = fv_add(v, fv_set1(rd_h(b + 2)));
+        fv_emit(bf16, out, i + FVW * c, v);
+    }
+}
+
+/* dec_k45: (d * sc) * q - dmin * m per 32-value sub-block. */
+FORCE_INLINE void fast_block_k45(int type, int bf16, const uint8_t *b, void *out, int64_t i) {
+    const uint8_t *qs = b + (type == 12 ? 16 : 48), *qh = type == 12 ? 0 : b + 16;
+    uint8_t sc[8], m[8];
+    scales_mins_k4(b + 4, sc, m);
+    const float d = rd_h(b), dmin = rd_h(b + 2);
+    for (int j = 0; j < 4; j++) {
+        qv q[2];
+        k45_pair(qs + 32 * j, qh, j, &q[0], &q[1]);
+        for (int h = 0; h < 2; h++) {
+            const int s = 2 * j + h;
+            const fv dl = fv_set1(d * (float)sc[s]), ml = fv_set1(dmin * (float)m[s]);
+            fv f[32 / FVW];
+            qv_to_ps(q[h], f);
+            for (int c = 0; c < 32 / FVW; c++) fv_emit(bf16, out, i + 32 * s + FVW * c, fv_sub(fv_mul(dl, f[c]), ml));
+        }
+    }
+}
+
+/* dec_q6_k: (d * sc[16-group]) * (q - 32). */
+FORCE_INLINE void fast_block_q6_k(int bf16, const uint8_t *b, void *out, int64_t i) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = rd_h(b + 208);
+    for (int half = 0; half < 2; half++) {
+        __m256i quad[4];
+        q6_quads(b, half, quad);
+        for (int k = 0; k < 4; k++) {
+            fv f[32 / FVW];
+            qv_to_ps(qv_from_i8(quad[k]), f);
+            for (int c = 0; c < 32 / FVW; c++) {
+                const int g = 8 * half + 2 * k + FVW * c / 16;
+                fv_emit(bf16, out, i + 128 * half + 32 * k + FVW * c, fv_mul(fv_set1(d * (float)sc[g]), f[c]));
+            }
+        }
+    }
+}
+
+/* Rows first .. first + n_rows of the packed [N, k] tensor into out (float or bf16), the block
+ * type and output a constant per instance. */
+FORCE_INLINE void fast_range_of(int type, int block_bytes, int bf16, const uint8_t *w, int64_t row_bytes, int64_t k,
+                                int64_t first, int64_t n_rows, void *out, int threads) {
+    const int block_elems = type == 12 || type == 13 || type == 14 ? QK_K : 32;
+    const int64_t nb = k / block_elems;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *row = w + (first + r) * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * block_bytes;
+            const int64_t i = r * k + b * block_elems;
+            if (type == 14)
+                fast_block_q6_k(bf16, blk, out, i);
+            else if (type == 12 || type == 13)
+                fast_block_k45(type, bf16, blk, out, i);
+            else
+                fast_block32(type, bf16, blk, out, i);
+        }
+    }
+}
+
+/* The vectorized vq_decode_range(_bf16) for `type`; 0 when it has none here (the scalar decoders then). */
+static int fast_decode_range(int type, int bf16, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t first,
+                             int64_t n_rows, void *out, int threads) {
+    switch (type) {
+#define FAST_RANGE(T, BB)                                                                                  \
+    case T:                                                                                                \
+        if (bf16)                                                                                          \
+            fast_range_of(T, BB, 1, w, row_bytes, k, first, n_rows, out, threads);                         \
+        else                                                                                               \
+            fast_range_of(T, BB, 0, w, row_bytes, k, first, n_rows, out, threads);                         \
+        return 1;
+    FAST_RANGE(2, 18) FAST_RANGE(3, 20) FAST_RANGE(6, 22) FAST_RANGE(7, 24) FAST_RANGE(8, 34) FAST_RANGE(20, 18)
+    FAST_RANGE(12, 144) FAST_RANGE(13, 176) FAST_RANGE(14, 210)
+#undef FAST_RANGE
+    default: return 0;
+    }
+}
+
+/* Whether `type` has an integer row dot here. */
 static inline int has_row_dot(int type) {
     return type == 2 || type == 3 || type == 6 || type == 7 || type == 8 || type == 20 || type == 12 || type == 13 ||
            type == 14;
 }
 
-static inline float row_dot(int type, int block_bytes, const uint8_t *row, const float *x, int64_t nb) {
-    if (type == 12 || type == 13) return row_dot_k45(type, block_bytes, row, x, nb);
-    if (type == 14) return row_dot_q6_k(row, x, nb);
-    return row_dot32(type, block_bytes, row, x, nb);
+/* out[r] = row . x[r] for r < rows, in units of x[r].unit; each case passes a constant type and
+ * block size, and the callers a constant row count, so every dot is compiled for its case (no
+ * switch per block, constant strides, the rows' accumulators in registers). */
+FORCE_INLINE void row_dots(int type, const uint8_t *row, const FixedRow *x, int rows, int64_t k, float *out) {
+    switch (type) {
+    case 2: row_dot32(2, 18, row, x, rows, k / 32, out); break;
+    case 3: row_dot32(3, 20, row, x, rows, k / 32, out); break;
+    case 6: row_dot32(6, 22, row, x, rows, k / 32, out); break;
+    case 7: row_dot32(7, 24, row, x, rows, k / 32, out); break;
+    case 20: row_dot32(20, 18, row, x, rows, k / 32, out); break;
+    case 12: row_dot_k45(12, 144, row, x, rows, k / QK_K, out); break;
+    case 13: row_dot_k45(13, 176, row, x, rows, k / QK_K, out); break;
+    case 14: row_dot_q6_k(row, x, rows, k / QK_K, out); break;
+    default: row_dot32(8, 34, row, x, rows, k / 32, out); break;
+    }
+}
+
+/* y[m, r] for weight rows r in [r0, r1) and the `rows` activation rows from m (a constant per call). */
+FORCE_INLINE void fixed_rows_n(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t k,
+                               const FixedRow *x, int64_t m, int rows, float *y, int64_t ldy) {
+    for (int64_t r = r0; r < r1; r++) {
+        float dots[SHARE];
+        row_dots(type, w + r * row_bytes, x + m, rows, k, dots);
+        for (int i = 0; i < rows; i++) y[(m + i) * ldy + r] = (float)((double)dots[i] * x[m + i].unit);
+    }
+}
+
+/* y[m, r] for weight rows r in [r0, r1), all activation rows, SHARE (or 2, or 1) at a time; the
+ * weight rows in chunks that stay in cache across the activation rows. */
+FORCE_INLINE void fixed_rows_of(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t k,
+                                const FixedRow *x, int64_t m_rows, float *y, int64_t ldy) {
+    for (int64_t c0 = r0; c0 < r1; c0 += 32) {
+        const int64_t c1 = c0 + 32 < r1 ? c0 + 32 : r1;
+        for (int64_t m = 0; m < m_rows;) {
+            if (m_rows - m >= SHARE) {
+                fixed_rows_n(type, w, row_bytes, c0, c1, k, x, m, SHARE, y, ldy);
+                m += SHARE;
+            } else if (m_rows - m >= 2) {
+                fixed_rows_n(type, w, row_bytes, c0, c1, k, x, m, 2, y, ldy);
+                m += 2;
+            } else {
+                fixed_rows_n(type, w, row_bytes, c0, c1, k, x, m, 1, y, ldy);
+                m += 1;
+            }
+        }
+    }
+}
+
+static void fixed_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t k,
+                       const FixedRow *x, int64_t m_rows, float *y, int64_t ldy) {
+    switch (type) {
+#define FIXED_ROWS(T) case T: fixed_rows_of(T, w, row_bytes, r0, r1, k, x, m_rows, y, ldy); break;
+    FIXED_ROWS(2) FIXED_ROWS(3) FIXED_ROWS(6) FIXED_ROWS(7) FIXED_ROWS(8) FIXED_ROWS(20) FIXED_ROWS(12) FIXED_ROWS(13)
+    FIXED_ROWS(14)
+#undef FIXED_ROWS
+    }
+}
+
+/* y = x W^T through the integer row dots: x converted once (scratch outside the parallel loop),
+ * then each thread takes a contiguous range of weight rows, building each row's integers once per
+ * SHARE activation rows. 0 when the scratch is unavailable. */
+static int fixed_matmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const float *x,
+                        int64_t m_rows, float *y, int64_t ldy, int threads) {
+    const int64_t nb = k / 32, padded = (nb + 3) / 4 * 4;
+    const size_t q_bytes = (size_t)(64 * nb) * sizeof(int16_t), f_bytes = (size_t)padded * sizeof(float);
+    const size_t per_row = q_bytes + 2 * f_bytes + (size_t)nb * sizeof(int);
+    uint8_t *scratch = aligned_alloc(64, (per_row * (size_t)m_rows + 63) / 64 * 64);
+    if (!scratch) return 0;
+    FixedRow fx[64];
+    int16_t *q = (int16_t *)scratch; /* all rows' integers first: 128 bytes a block keep them aligned */
+    float *f = (float *)(scratch + q_bytes * (size_t)m_rows);
+    int *expo = (int *)(f + 2 * padded * m_rows);
+    for (int64_t m = 0; m < m_rows; m++) {
+        float *scale = f + 2 * padded * m, *sum = scale + padded;
+        fixed_row(x + m * k, k, q + 64 * nb * m, scale, sum, expo + nb * m, &fx[m]);
+    }
+    const int64_t parts = threads > 1 ? threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t part = 0; part < parts; part++)
+        fixed_rows(type, w, row_bytes, n * part / parts, n * (part + 1) / parts, k, fx, m_rows, y, ldy);
+    free(scratch);
+    return 1;
 }
 #else
 static inline int has_row_dot(int type) { (void)type; return 0; }
-static inline float row_dot(int type, int block_bytes, const uint8_t *row, const float *x, int64_t nb) {
-    (void)type; (void)block_bytes; (void)row; (void)x; (void)nb;
-    return 0.0f;
+static int fast_decode_range(int type, int bf16, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t first,
+                             int64_t n_rows, void *out, int threads) {
+    (void)type, (void)bf16, (void)w, (void)row_bytes, (void)k, (void)first, (void)n_rows, (void)out, (void)threads;
+    return 0;
 }
 #endif
 
 /* One row range of y = x W^T for a block type: the decoder inlined, the block read once per call. */
-#define DEFINE_MATMUL(NAME, DECODE, BE, TYPE)                                                                \
+#define DEFINE_MATMUL(NAME, DECODE, BE)                                                                      \
     static void mm_##NAME(const uint8_t *w, int64_t row_bytes, int block_bytes, int64_t n, int64_t k,    \
                           const float *x, int64_t m_rows, float *y, int64_t ldy, int threads) {          \
         const int64_t nb = k / (BE);                                                                     \
@@ -390,10 +939,6 @@ static inline float row_dot(int type, int block_bytes, const uint8_t *row, const
         for (int64_t r = 0; r < n; r++) {                                                                \
             float buf[BE];                                                                               \
             const uint8_t *row = w + r * row_bytes;                                                      \
-            if (has_row_dot(TYPE)) { /* the row stays in L1 across the few activation rows */           \
-                for (int64_t m = 0; m < m_rows; m++) y[m * ldy + r] = row_dot((TYPE), block_bytes, row, x + m * k, nb); \
-                continue;                                                                                \
-            }                                                                                            \
             if (m_rows == 1) { /* decode: keep the accumulator in registers */                           \
                 enum { ACC = (BE) < 64 ? 16 : 64 };    /* independent FMA chains hide the latency */       \
                 float a[ACC] = {0};                                                                      \
@@ -430,20 +975,20 @@ static inline float row_dot(int type, int block_bytes, const uint8_t *row, const
 typedef void (*matmul_fn)(const uint8_t *, int64_t, int, int64_t, int64_t, const float *, int64_t, float *,
                           int64_t, int);
 
-DEFINE_MATMUL(f16, dec_f16, 32, 1)
-DEFINE_MATMUL(bf16, dec_bf16, 32, 30)
-DEFINE_MATMUL(q4_0, dec_q4_0, 32, 2)
-DEFINE_MATMUL(q4_1, dec_q4_1, 32, 3)
-DEFINE_MATMUL(q5_0, dec_q5_0, 32, 6)
-DEFINE_MATMUL(q5_1, dec_q5_1, 32, 7)
-DEFINE_MATMUL(q8_0, dec_q8_0, 32, 8)
-DEFINE_MATMUL(iq4_nl, dec_iq4_nl, 32, 20)
-DEFINE_MATMUL(q2_k, dec_q2_k, QK_K, 10)
-DEFINE_MATMUL(q3_k, dec_q3_k, QK_K, 11)
-DEFINE_MATMUL(q4_k, dec_q4_k, QK_K, 12)
-DEFINE_MATMUL(q5_k, dec_q5_k, QK_K, 13)
-DEFINE_MATMUL(q6_k, dec_q6_k, QK_K, 14)
-DEFINE_MATMUL(iq4_xs, dec_iq4_xs, QK_K, 23)
+DEFINE_MATMUL(f16, dec_f16, 32)
+DEFINE_MATMUL(bf16, dec_bf16, 32)
+DEFINE_MATMUL(q4_0, dec_q4_0, 32)
+DEFINE_MATMUL(q4_1, dec_q4_1, 32)
+DEFINE_MATMUL(q5_0, dec_q5_0, 32)
+DEFINE_MATMUL(q5_1, dec_q5_1, 32)
+DEFINE_MATMUL(q8_0, dec_q8_0, 32)
+DEFINE_MATMUL(iq4_nl, dec_iq4_nl, 32)
+DEFINE_MATMUL(q2_k, dec_q2_k, QK_K)
+DEFINE_MATMUL(q3_k, dec_q3_k, QK_K)
+DEFINE_MATMUL(q4_k, dec_q4_k, QK_K)
+DEFINE_MATMUL(q5_k, dec_q5_k, QK_K)
+DEFINE_MATMUL(q6_k, dec_q6_k, QK_K)
+DEFINE_MATMUL(iq4_xs, dec_iq4_xs, QK_K)
 
 typedef struct {
     int type;        /* GGML type id */
@@ -491,6 +1036,7 @@ void vq_decode_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t k, co
 /* out[i, :] = row (first + i) decoded, for i < n_rows: a slab for the dense-matmul path. */
 void vq_decode_range(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t first, int64_t n_rows,
                      float *out, int threads) {
+    if (fast_decode_range(type, 0, w, row_bytes, k, first, n_rows, out, threads)) return;
     const Format *f = find(type);
     const int64_t nb = k / f->block_elems;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -511,6 +1057,7 @@ static inline uint16_t to_bf16(float f) {
 /* vq_decode_range, rounded to bfloat16: the slab for a bf16 matmul (native on AVX512-BF16 / AMX). */
 void vq_decode_range_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t first, int64_t n_rows,
                           uint16_t *out, int threads) {
+    if (fast_decode_range(type, 1, w, row_bytes, k, first, n_rows, out, threads)) return;
     const Format *f = find(type);
     const int64_t nb = k / f->block_elems;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -529,5 +1076,10 @@ void vq_decode_range_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t
 void vq_matmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const float *x, int64_t m_rows,
                float *y, int64_t ldy, int threads) {
     const Format *f = find(type);
+#ifdef HAVE_ROW_DOT
+    if (has_row_dot(type) && m_rows <= 64 &&
+        fixed_matmul(type, w, row_bytes, n, k, x, m_rows, y, ldy, threads))
+        return;
+#endif
     f->matmul(w, row_bytes, f->block_bytes, n, k, x, m_rows, y, ldy, threads);
 }

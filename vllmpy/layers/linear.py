@@ -6,6 +6,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from vllmpy.layers.dense import dense_linear
 from vllmpy.layers.quantized import PackedTensor, packed_linear
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, "int | str | None"], None]
@@ -34,7 +35,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
-        return nn.functional.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias)
 
     def load_packed(self, weight: PackedTensor, shard_id: int | str | None = None) -> None:
         if weight.shape != tuple(self.weight.shape):
@@ -97,8 +98,7 @@ class MergedLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.segments) > 1:
-            y = torch.cat([packed_linear(x, segment) for segment in self.segments], dim=-1)
-            return y if self.bias is None else y + self.bias
+            return packed_linear(x, self.segments, self.bias)
         return super().forward(x)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None) -> None:

@@ -11,10 +11,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.layers.activation import gated, get_activation
+from vllmpy.layers.dense import dense_linear
 from vllmpy.layers.linear import Linear, default_weight_loader
 
 ExpertShard = tuple[int, int | str]  # (expert, part of a fused projection)
@@ -77,8 +77,8 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             end = start + count
-            h = gated(self.act, F.linear(xs[start:end], self.gate_up_proj.weight[expert]))
-            out[start:end] = F.linear(h, self.down_proj.weight[expert])
+            h = gated(self.act, dense_linear(xs[start:end], self.gate_up_proj.weight[expert]))
+            out[start:end] = dense_linear(h, self.down_proj.weight[expert])
             start = end
         out *= weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
         return torch.zeros_like(x).index_add_(0, rows, out)

@@ -3,18 +3,20 @@
 A `PackedTensor` is a 2-D weight as the GGUF file stores it: each row a run of whole blocks. A
 few activation rows (decode) go through the C kernel, which reads every block once for the whole
 batch; many rows (prefill, big batches) decode the weight slab by slab into a scratch buffer and
-hand each slab to torch's dense matmul, where the arithmetic dominates and BLAS is fastest.
+hand each slab to the dense matmul (`dense_linear`), where the arithmetic dominates.
 """
 from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from vllmpy.kernels import block_kernels, block_layout
+from vllmpy.layers.dense import dense_linear
 
 # Up to this many activation rows the block kernel wins; above it, decode + dense matmul.
 KERNEL_MAX_ROWS = 8
@@ -66,40 +68,54 @@ class PackedTensor:
         return PackedTensor(data, self.ggml_type, (self.shape[0] + other.shape[0], self.shape[1]))
 
 
-def packed_linear(x: torch.Tensor, weight: PackedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T (+ b) with W packed, result in x's dtype. Few rows: float32 in the block kernel. Many rows:
-    slabs in float32, or in bfloat16 when x is (the user chose --dtype bfloat16: CPUs with AVX512-BF16
-    or AMX multiply it natively, ~4x faster than float32 here)."""
+def packed_linear(x: torch.Tensor, weight: PackedTensor | Sequence[PackedTensor],
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ b) with W packed, result in x's dtype; W may be a run of segments stacked along the
+    output (fused q/k/v of different block types), each written into its columns of one result.
+
+    Few rows: float32 in the block kernel. Many rows: slabs in float32, or in bfloat16 when x is (the
+    user chose --dtype bfloat16: CPUs with AVX512-BF16 or AMX multiply it natively, ~4x faster)."""
+    segments = (weight,) if isinstance(weight, PackedTensor) else weight
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    rows = x2.shape[0]
+    rows, n = x2.shape[0], sum(segment.shape[0] for segment in segments)
     if rows <= KERNEL_MAX_ROWS:
-        x2 = x2.to(torch.float32).contiguous()
-        y = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-        block_kernels().vq_matmul(weight.ggml_type, weight.data.data_ptr(), weight.data.shape[1], weight.shape[0], k,
-                                  x2.data_ptr(), rows, y.data_ptr(), weight.shape[0], torch.get_num_threads())
+        x2 = x2.float().contiguous()
+        y = torch.empty(rows, n, dtype=torch.float32)
+        lib, threads, column = block_kernels(), torch.get_num_threads(), 0
+        for segment in segments:
+            rows_out = segment.shape[0]
+            lib.vq_matmul(segment.ggml_type, segment.data.data_ptr(), segment.data.shape[1], rows_out, k,
+                          x2.data_ptr(), rows, y.data_ptr() + 4 * column, n, threads)
+            column += rows_out
     else:
         dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float32
-        y = _slab_matmul(x2.to(dtype).contiguous(), weight)
+        y = _slab_matmul(x2.to(dtype).contiguous(), segments, n)
     if bias is not None:
         y = y + bias.to(y.dtype)
-    return y.to(x.dtype).reshape(*lead, weight.shape[0])
+    return y.to(x.dtype).view(*lead, n)
 
 
-def _slab_matmul(x: torch.Tensor, weight: PackedTensor) -> torch.Tensor:
-    n, k = weight.shape
-    slab_rows = max(1, min(n, _SLAB_FLOATS // k))
+def _slab_matmul(x: torch.Tensor, segments: Sequence[PackedTensor], n: int) -> torch.Tensor:
+    """y slab by slab: each slab of weight rows decoded into scratch, multiplied, written into its columns
+    (a contiguous y: the next layer's ops would otherwise copy a transposed one)."""
+    k = x.shape[1]
+    slab_rows = max(1, _SLAB_FLOATS // k)
     key = f"buffer_{x.dtype}"
     scratch = getattr(_scratch, key, None)
     if scratch is None or scratch.numel() < slab_rows * k:
         scratch = torch.empty(max(_SLAB_FLOATS, slab_rows * k), dtype=x.dtype)
         setattr(_scratch, key, scratch)
-    lib, threads, x_t = block_kernels(), torch.get_num_threads(), x.t()
+    lib, threads = block_kernels(), torch.get_num_threads()
     decode = lib.vq_decode_range_bf16 if x.dtype == torch.bfloat16 else lib.vq_decode_range
-    y_t = torch.empty(n, x.shape[0], dtype=x.dtype)
-    for first in range(0, n, slab_rows):
-        count = min(slab_rows, n - first)
-        slab = scratch[:count * k].view(count, k)
-        decode(weight.ggml_type, weight.data.data_ptr(), weight.data.shape[1], k, first, count, slab.data_ptr(), threads)
-        torch.mm(slab, x_t, out=y_t[first:first + count])
-    return y_t.t()
+    y = torch.empty(x.shape[0], n, dtype=x.dtype)
+    offset = 0
+    for segment in segments:
+        for first in range(0, segment.shape[0], slab_rows):
+            count = min(slab_rows, segment.shape[0] - first)
+            slab = scratch[:count * k].view(count, k)
+            decode(segment.ggml_type, segment.data.data_ptr(), segment.data.shape[1], k, first, count,
+                   slab.data_ptr(), threads)
+            y[:, offset + first:offset + first + count] = dense_linear(x, slab)
+        offset += segment.shape[0]
+    return y

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from vllmpy.errors import UnsupportedCheckpointError
+from vllmpy.kernels import layer_kernels
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -155,6 +156,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     Rotate-half pairs dim i with i + rot/2; interleaved pairs 2i with 2i + 1.
     """
     rot = cos.shape[-1]
+    out = _rope_kernel(x, cos, sin, interleaved)
+    if out is not None:
+        return out
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     if interleaved:
         rotated = torch.stack((-x_rot[..., 1::2], x_rot[..., 0::2]), dim=-1).flatten(-2)
@@ -163,3 +167,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
     out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
     return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out
+
+
+def _rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
+    """The C kernel's rotation (bit-identical to the torch path, one call instead of six ops) for float32
+    CPU tensors whose heads are contiguous within a token (q/k views of the fused qkv output are), else None."""
+    lib = layer_kernels()
+    if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or cos.dtype != torch.float32
+            or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]):
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    tokens, heads, dim = x.shape
+    out = torch.empty(tokens, heads, dim)
+    lib.vq_rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, dim,
+                cos.shape[-1], int(interleaved), torch.get_num_threads())
+    return out

@@ -98,10 +98,11 @@ class CausalLM(nn.Module):
                 raise UnsupportedCheckpointError(f"checkpoint tensor {ckpt_name!r}: {exc}") from None
             loaded.add(name if shard is None else f"{name}#{shard}")
         self._check_all_loaded(params, loaded)
-        self._finish_packed()
+        self._finish_loading()
 
-    def _finish_packed(self) -> None:
-        """Fuse packed shards, and let a tied head compute on the embedding's packed table."""
+    def _finish_loading(self) -> None:
+        """Per-module work once every tensor is in (fuse packed shards, precompute norm scales), and let a
+        tied head compute on the embedding's packed table."""
         for module in self.modules():
             if hasattr(module, "finish_loading"):
                 module.finish_loading()

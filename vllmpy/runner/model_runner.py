@@ -183,7 +183,8 @@ class ModelRunner:
         while keep:
             try:
                 meta = SamplingMetadata.build([states[j].row for j in keep], self.vocab_size, self.device)
-                result = self.sampler(logits[keep], meta)
+                # indexing copies the [rows, vocab] logits: only when a failed row was dropped
+                result = self.sampler(logits if len(keep) == len(rows) else logits[keep], meta)
                 break
             except SamplingRowError as exc:
                 bad = {keep[r] for r in exc.rows}
