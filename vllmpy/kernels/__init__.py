@@ -50,6 +50,12 @@ def _compile(compiler: str, flags: list[str], source: Path, target: Path) -> Non
         os.replace(built, target)  # atomic: concurrent processes never load a half-written library
 
 
+def _source_text(source: Path) -> str:
+    """The source and the headers beside it (half.h): a header edit must rebuild every library."""
+    headers = sorted(source.parent.glob("*.h"))
+    return "\0".join(path.read_text() for path in [source, *headers])
+
+
 def _build(source: Path) -> Path:
     """The cached library of `source` for this compiler and CPU, compiled if missing."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -57,7 +63,7 @@ def _build(source: Path) -> Path:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     errors = []
     for flags in (_FLAGS + _NATIVE, _FLAGS):
-        key = hashlib.sha256("\0".join([source.read_text(), compiler, *flags, _cpu_signature()]).encode())
+        key = hashlib.sha256("\0".join([_source_text(source), compiler, *flags, _cpu_signature()]).encode())
         target = cache_dir() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
         if target.exists():
             return target

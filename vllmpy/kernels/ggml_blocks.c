@@ -24,25 +24,7 @@ typedef void (*decode_fn)(const uint8_t *blk, float *y);
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#if defined(__F16C__)
-static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
-#else
-static inline float h2f(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-    float out;
-    if (exp == 0) {
-        out = (float)man * (1.0f / 16777216.0f); /* subnormal (or zero): man * 2^-24, exact */
-        memcpy(&bits, &out, 4);
-        bits |= sign;
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    memcpy(&out, &bits, 4);
-    return out;
-}
-#endif
+#include "half.h"
 
 static inline float rd_h(const uint8_t *p) {
     uint16_t h;
@@ -1021,6 +1003,11 @@ int vq_block_layout(int type, int *block_elems, int *block_bytes) {
     return 1;
 }
 
+/* One packed row of nb blocks decoded with the type's scalar decoder. */
+static inline void decode_row(const Format *f, const uint8_t *row, int64_t nb, float *out) {
+    for (int64_t b = 0; b < nb; b++) f->decode(row + b * f->block_bytes, out + b * f->block_elems);
+}
+
 /* out[i, :] = row rows[i] of the packed [N, K] tensor, decoded. */
 void vq_decode_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t k, const int64_t *rows, int64_t n_rows,
                     float *out, int threads) {
@@ -1028,8 +1015,7 @@ void vq_decode_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t k, co
     const int64_t nb = k / f->block_elems;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n_rows * k > 65536)
     for (int64_t i = 0; i < n_rows; i++) {
-        const uint8_t *row = w + rows[i] * row_bytes;
-        for (int64_t b = 0; b < nb; b++) f->decode(row + b * f->block_bytes, out + i * k + b * f->block_elems);
+        decode_row(f, w + rows[i] * row_bytes, nb, out + i * k);
     }
 }
 
@@ -1041,8 +1027,7 @@ void vq_decode_range(int type, const uint8_t *w, int64_t row_bytes, int64_t k, i
     const int64_t nb = k / f->block_elems;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n_rows; i++) {
-        const uint8_t *row = w + (first + i) * row_bytes;
-        for (int64_t b = 0; b < nb; b++) f->decode(row + b * f->block_bytes, out + i * k + b * f->block_elems);
+        decode_row(f, w + (first + i) * row_bytes, nb, out + i * k);
     }
 }
 

@@ -33,25 +33,7 @@ enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_F16 = 2 };
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__F16C__)
-static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
-#else
-static inline float h2f(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-    float out;
-    if (exp == 0) {
-        out = (float)man * (1.0f / 16777216.0f); /* subnormal (or zero): man * 2^-24, exact */
-        memcpy(&bits, &out, 4);
-        bits |= sign;
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    memcpy(&out, &bits, 4);
-    return out;
-}
-#endif
+#include "half.h"
 
 /* One decode call's geometry: shared read-only by every thread. */
 typedef struct {

@@ -21,6 +21,12 @@ def _rms_norm_kernel(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.
     return y
 
 
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) in float32: the torch path both variants scale afterwards."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     """Llama-style: normalize in fp32, cast back, then scale by `weight`."""
 
@@ -33,10 +39,7 @@ class RMSNorm(nn.Module):
         y = _rms_norm_kernel(x, self.weight, self.eps)
         if y is not None:
             return y
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * _normalized(x, self.eps).to(x.dtype)
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -55,10 +58,7 @@ class GemmaRMSNorm(RMSNorm):
         y = _rms_norm_kernel(x, scale, self.eps)
         if y is not None:
             return y
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * scale).to(dtype)
+        return (_normalized(x, self.eps) * scale).to(x.dtype)
 
 
 class LayerNorm(nn.Module):
