@@ -1,12 +1,17 @@
-"""The C RMSNorm and rotary kernels against the torch expressions they replace."""
+"""The C RMSNorm, rotary, gated-activation and row-max kernels against the torch expressions they replace."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+import vllmpy.layers.activation as activation
 import vllmpy.layers.norm as norm
 import vllmpy.layers.rotary as rotary
+import vllmpy.sampling.sampler as sampler
+from torch.nn import functional as F
+
 from vllmpy.kernels import layer_kernels
+from vllmpy.layers.activation import gated
 from vllmpy.layers.norm import GemmaRMSNorm, RMSNorm
 from vllmpy.layers.rotary import apply_rotary
 
@@ -69,3 +74,86 @@ def test_rope_kernel_is_bit_identical_on_views_of_fused_qkv(interleaved: bool, r
     want = apply_rotary(q, emb.cos(), emb.sin(), interleaved)
     assert torch.equal(got, want)
     assert not torch.equal(want, q)  # it did rotate
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 63, 64, 65, 1000, 262144])
+def test_row_max_kernel_equals_torch_max_on_ties_and_non_finite(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(n)
+    x = torch.randint(-3, 3, (12, n)).float()  # small integers: many ties, the first index must win
+    x[1] = float("-inf")  # no finite logit: index 0, as torch
+    x[2, -1] = float("inf")
+    x[3, n // 2] = float("nan")  # NaN anywhere: max NaN, index of the first NaN
+    x[3, n - 1] = float("nan")
+    x[4] = -0.0
+    x[4, n // 3] = 0.0  # equal to -0.0: the first index wins
+    x[5, n - 1] = 1e30
+    x[6] = torch.randn(n) * 1e-38  # subnormals
+    calls = []
+    real = layer_kernels()
+
+    class Spy:
+        def vq_row_max(self, *args):
+            calls.append(args)
+            return real.vq_row_max(*args)
+
+    monkeypatch.setattr(sampler, "layer_kernels", lambda: Spy())
+    best, index = sampler._row_max(x)
+    want_best, want_index = x.max(dim=-1)
+    assert len(calls) == 1
+    assert torch.equal(index, want_index) and torch.equal(index, x.argmax(dim=-1))
+    assert torch.equal(best.isnan(), want_best.isnan())
+    assert torch.equal(best.nan_to_num(), want_best.nan_to_num())
+    assert torch.equal(best[~best.isnan()], x.amax(dim=-1)[~best.isnan()])
+
+
+def _gelu_tanh_stable(g: torch.Tensor) -> torch.Tensor:
+    """0.5 g (1 + tanh u) as g * sigmoid(2u): float64 without the cancellation of the tanh form at g < 0."""
+    return g / (1 + torch.exp(-2 * _gelu_arg(g)))
+
+
+def _gelu_arg(g: torch.Tensor) -> torch.Tensor:
+    return (2 / torch.pi) ** 0.5 * (g + 0.044715 * g ** 3)
+
+
+@pytest.mark.parametrize("name", ["silu", "gelu_pytorch_tanh"])
+def test_gated_activation_kernel_is_float_accurate(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    act = activation.get_activation(name)
+    torch.manual_seed(len(name))
+    gate_up = torch.randn(300, 2 * 2051) * torch.logspace(-4, 1.5, 300)[:, None]  # |gate| up to ~100
+    calls = []
+    real = layer_kernels()
+
+    class Spy:
+        def vq_gated_act(self, *args):
+            calls.append(args)
+            return real.vq_gated_act(*args)
+
+    monkeypatch.setattr(activation, "layer_kernels", lambda: Spy())
+    got = gated(act, gate_up).double()
+    assert len(calls) == 1 and got.shape == (300, 2051)
+    g, up = gate_up.double().chunk(2, dim=-1)
+    if name == "silu":
+        want, exponent = g / (1 + torch.exp(-g)) * up, g
+    else:
+        want, exponent = _gelu_tanh_stable(g) * up, 2 * _gelu_arg(g)
+    # Float rounding of the exponent's argument grows with it: a few ulp times (1 + |argument|).
+    bound = 4e-7 * (1 + exponent.abs()) * want.abs() + 1e-35
+    assert bool(((got - want).abs() <= bound).all())
+    # Where torch's float result is itself accurate (not the tanh form's cancelling tail) they agree.
+    torch_result = (act(gate_up[:, :2051]) * gate_up[:, 2051:]).double()
+    moderate = g.abs() < 2
+    assert torch.allclose(got[moderate], torch_result[moderate], rtol=4e-6, atol=1e-30)
+
+
+def test_gated_activation_kernel_special_values_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = torch.tensor([float("nan"), float("inf"), float("-inf"), -100.0, 100.0, 0.0, -0.0, 1e-30, 5.0])
+    gate_up = torch.cat([gate, torch.ones(9)])[None]
+    for act in (F.silu, activation.get_activation("gelu_new")):
+        got, want = gated(act, gate_up), act(gate) * 1.0
+        assert torch.equal(got.isnan(), want[None].isnan())
+        assert torch.allclose(got.nan_to_num(), want[None].nan_to_num(), rtol=2e-6, atol=0)  # inf stays inf
+        assert torch.equal(got.signbit(), want[None].signbit())
+    monkeypatch.setattr(activation, "layer_kernels", lambda: pytest.fail("kernel used"))
+    x = torch.randn(3, 8)  # bfloat16 and ReLU keep the torch path
+    assert torch.equal(gated(F.silu, x.bfloat16()), F.silu(x[:, :4].bfloat16()) * x[:, 4:].bfloat16())
+    assert torch.equal(gated(F.relu, x), F.relu(x[:, :4]) * x[:, 4:])

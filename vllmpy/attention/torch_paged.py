@@ -16,6 +16,7 @@ import torch
 
 from vllmpy.attention.base import AttentionMetadata, AttentionSpec
 from vllmpy.kernels import attention_kernels
+from vllmpy.layers.dense import dense_linear
 
 # Cache dtypes the C decode kernel reads, by its cache_dtype code.
 _KERNEL_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -78,7 +79,12 @@ def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     broadcast matmul would materialize a copy of them per query head).
     """
     *lead, group, rows, inner = a.shape
-    out = torch.matmul(a.reshape(*lead, group * rows, inner), b)
+    folded = a.reshape(*lead, group * rows, inner)
+    if len(lead) == 1:  # one sequence: a matmul per KV head through dense_linear (oneDNN: ~2x bmm on x86)
+        heads = [dense_linear(folded[h], b[h].transpose(0, 1)) for h in range(lead[0])]
+        out = heads[0].unsqueeze(0) if len(heads) == 1 else torch.stack(heads)
+    else:
+        out = torch.matmul(folded, b)
     return out.view(*lead, group, rows, out.shape[-1])
 
 
@@ -94,7 +100,9 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len:
              spec: AttentionSpec) -> torch.Tensor:
     q_len = q.shape[0]
     group = spec.num_heads // spec.num_kv_heads
-    if not spec.logit_soft_cap and spec.sliding_window is None and q_len == seq_len:
+    # torch's CPU SDPA takes its unfused math path whenever enable_gqa is set: the grouped path is faster there.
+    if (not spec.logit_soft_cap and spec.sliding_window is None and q_len == seq_len
+            and (group == 1 or q.device.type != "cpu")):
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
             is_causal=spec.causal, scale=spec.scale, enable_gqa=group > 1)

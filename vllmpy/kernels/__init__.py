@@ -1,12 +1,13 @@
 """CPU kernels in C, built for this machine on first use: compute on GGML blocks (ggml_blocks.c),
-decode attention read in place from the paged KV cache (paged_attention.c), and RMSNorm / rotary in
-one call each (layer_ops.c).
+decode attention read in place from the paged KV cache (paged_attention.c), and RMSNorm / rotary /
+the gated MLP activation / the sampler's row max and argmax in one call each (layer_ops.c).
 
 Each C source ships in the package and is compiled once with the system C compiler into the cache
 (`$VLLMPY_CACHE/kernels`, keyed by source, flags and CPU), then loaded with ctypes. Linking OpenMP
 resolves to the libgomp torch already loaded, so the kernels and torch share one thread pool.
 Where no compiler works each accessor is None and callers keep their torch paths: GGUF weights are
-dequantized at load, decode attention gathers the KV blocks, norms and rotary run as torch ops.
+dequantized at load, decode attention gathers the KV blocks, norms, rotary, gated activations and row
+maxima run as torch ops.
 """
 from __future__ import annotations
 
@@ -122,16 +123,19 @@ def attention_kernels() -> ctypes.CDLL | None:
 def _bind_layer_ops(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vq_rms_norm.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT]
     lib.vq_rope.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
-    for fn in (lib.vq_rms_norm, lib.vq_rope):
+    lib.vq_row_max.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _INT]
+    lib.vq_gated_act.argtypes = [_PTR, _PTR, _I64, _I64, _INT, _INT]
+    for fn in (lib.vq_rms_norm, lib.vq_rope, lib.vq_row_max, lib.vq_gated_act):
         fn.restype = None
     return lib
 
 
 @functools.cache
 def layer_kernels() -> ctypes.CDLL | None:
-    """RMSNorm and rotary in one call each, or None (with a one-line notice) where it cannot be built."""
+    """RMSNorm, rotary, the gated activation and the sampler's row max in one call each, or None (with a
+    one-line notice) where it cannot be built."""
     return _load("layer_ops.c", _bind_layer_ops,
-                 "layer CPU kernels unavailable (%s); norms and rotary run as torch ops")
+                 "layer CPU kernels unavailable (%s); norms, rotary, gated activations and row maxima run as torch ops")
 
 
 @functools.cache

@@ -87,6 +87,14 @@ static inline const float *as_floats(const Job *j, const char *cache, int64_t at
     return buf;
 }
 
+/* Cache rows are dim * elem_bytes apart only within a block: the hardware prefetcher loses the stream at
+ * every block boundary, so the rows a tile reads are requested ahead of use. */
+#define PREFETCH_AHEAD 4
+static inline void prefetch_row(const Job *j, const char *cache, int64_t at) {
+    const char *row = cache + at * j->elem_bytes;
+    for (int64_t off = 0; off < j->dim * j->elem_bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
+}
+
 /* q . k with four independent FMA chains (latency hidden); the tail in order. */
 #if defined(__AVX512F__)
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -151,6 +159,8 @@ static void attend_range(const Job *j, int64_t b, int64_t h, int64_t p0, int64_t
         const int64_t n = p1 - t < TILE ? p1 - t : TILE;
         row_offsets(j, b, h, t, n, at);
         for (int64_t i = 0; i < n; i++) {
+            if (i + PREFETCH_AHEAD < n) prefetch_row(j, j->k, at[i + PREFETCH_AHEAD]);
+            prefetch_row(j, j->v, at[i]); /* this tile's V rows arrive while K is being scored */
             const float *k = as_floats(j, j->k, at[i], buf);
             for (int64_t g = 0; g < g_n; g++) {
                 float s = dot(q + g * d, k, d) * j->scale; /* same operation order as the torch path */
