@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from vllmpy import kernels
+import vllmpy.layers.quantized as quantized
 from vllmpy.layers.quantized import KERNEL_MAX_ROWS, PackedTensor, packed_linear
 from vllmpy.loader.gguf.file import read_gguf
 from vllmpy.loader.gguf.quant import hf_shape
@@ -276,3 +277,24 @@ def test_range_decoders_on_extreme_scales(qtype):
     expected = torch.from_numpy(reference).to(torch.bfloat16)
     assert torch.equal(bf16.isnan(), torch.from_numpy(nan)), qtype.name
     assert torch.equal(bf16[~torch.from_numpy(nan)].view(torch.int16), expected[~torch.from_numpy(nan)].view(torch.int16))
+
+
+@pytest.mark.parametrize("slab_floats", [1 << 22, 24 * 256, 7 * 256])
+def test_segments_whole_or_in_power_of_two_slabs(slab_floats, monkeypatch):
+    """Fused segments of two block types, decoded whole (one matmul) or in slabs with a partial last slab in
+    each segment (slab rows rounded down to a power of two: 24 -> 16, 7 -> 4), equal the dequantized product."""
+    monkeypatch.setattr(quantized, "_SLAB_FLOATS", slab_floats)
+    rng = np.random.default_rng(slab_floats)
+    cols, parts = 256, [(Q.Q4_K, 37), (Q.Q8_0, 21)]
+    segments, dense = [], []
+    for qtype, rows in parts:
+        data = random_blocks(qtype, rows, cols, rng)
+        segments.append(PackedTensor.from_numpy(data, int(qtype), (rows, cols)))
+        dense.append(dequantize(data, qtype).reshape(rows, cols).astype(np.float64))
+    weight = np.concatenate(dense)
+    for m in (KERNEL_MAX_ROWS + 1, 70):
+        x = torch.randn(m, cols)
+        got = packed_linear(x, segments).double().numpy()
+        assert got.shape == (m, weight.shape[0])
+        bound = matmul_bound(x.double().numpy(), weight)
+        assert np.all(np.abs(got - x.double().numpy() @ weight.T) <= bound + 1e-30), f"m={m}"
