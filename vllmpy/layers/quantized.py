@@ -2,8 +2,8 @@
 
 A `PackedTensor` is a 2-D weight as the GGUF file stores it: each row a run of whole blocks. A
 few activation rows (decode) go through the C kernel, which reads every block once for the whole
-batch; many rows (prefill, big batches) decode the weight slab by slab into a scratch buffer and
-hand each slab to the dense matmul (`dense_linear`), where the arithmetic dominates.
+batch; many rows (prefill, big batches) decode the weight into a scratch buffer (whole, or slab by
+slab when it is large) and hand it to the dense matmul (`dense_linear`), where the arithmetic dominates.
 """
 from __future__ import annotations
 
