@@ -18,6 +18,19 @@ from vllmpy.layers.rotary import apply_rotary
 pytestmark = pytest.mark.skipif(layer_kernels() is None, reason="no C compiler: the torch path is the only path")
 
 
+def spy_kernel(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list:
+    """Calls of layer_kernels().<name> made through `module` (the real kernel still runs)."""
+    real, calls = layer_kernels(), []
+
+    class Spy:
+        def __getattr__(self, attr: str):
+            kernel = getattr(real, attr)
+            return (lambda *args: calls.append(args) or kernel(*args)) if attr == name else kernel
+
+    monkeypatch.setattr(module, "layer_kernels", lambda: Spy())
+    return calls
+
+
 def _reference_rms(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     return scale * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
@@ -40,23 +53,15 @@ def test_rms_norm_takes_the_kernel_and_falls_back_without_it(monkeypatch: pytest
     module = RMSNorm(32)
     module.weight.data = torch.randn(32)
     x = torch.randn(3, 32)
-    calls = []
-    real = layer_kernels()
-
-    class Spy:
-        def vq_rms_norm(self, *args):
-            calls.append(args)
-            return real.vq_rms_norm(*args)
-
-    monkeypatch.setattr(norm, "layer_kernels", lambda: Spy())
+    calls = spy_kernel(monkeypatch, norm, "vq_rms_norm")
     fast = module(x)
     assert len(calls) == 1
     monkeypatch.setattr(norm, "layer_kernels", lambda: None)
     assert torch.allclose(fast, module(x), rtol=1e-6, atol=1e-7)
     # bfloat16 keeps the reference's casts (normalize in fp32, cast, then scale): never the kernel
-    monkeypatch.setattr(norm, "layer_kernels", lambda: Spy())
+    calls = spy_kernel(monkeypatch, norm, "vq_rms_norm")
     module.weight.data = module.weight.data.bfloat16()
-    assert module(x.bfloat16()).dtype == torch.bfloat16 and len(calls) == 1
+    assert module(x.bfloat16()).dtype == torch.bfloat16 and len(calls) == 0
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -88,15 +93,7 @@ def test_row_max_kernel_equals_torch_max_on_ties_and_non_finite(n: int, monkeypa
     x[4, n // 3] = 0.0  # equal to -0.0: the first index wins
     x[5, n - 1] = 1e30
     x[6] = torch.randn(n) * 1e-38  # subnormals
-    calls = []
-    real = layer_kernels()
-
-    class Spy:
-        def vq_row_max(self, *args):
-            calls.append(args)
-            return real.vq_row_max(*args)
-
-    monkeypatch.setattr(sampler, "layer_kernels", lambda: Spy())
+    calls = spy_kernel(monkeypatch, sampler, "vq_row_max")
     best, index = sampler._row_max(x)
     want_best, want_index = x.max(dim=-1)
     assert len(calls) == 1
@@ -120,15 +117,7 @@ def test_gated_activation_kernel_is_float_accurate(name: str, monkeypatch: pytes
     act = activation.get_activation(name)
     torch.manual_seed(len(name))
     gate_up = torch.randn(300, 2 * 2051) * torch.logspace(-4, 1.5, 300)[:, None]  # |gate| up to ~100
-    calls = []
-    real = layer_kernels()
-
-    class Spy:
-        def vq_gated_act(self, *args):
-            calls.append(args)
-            return real.vq_gated_act(*args)
-
-    monkeypatch.setattr(activation, "layer_kernels", lambda: Spy())
+    calls = spy_kernel(monkeypatch, activation, "vq_gated_act")
     got = gated(act, gate_up).double()
     assert len(calls) == 1 and got.shape == (300, 2051)
     g, up = gate_up.double().chunk(2, dim=-1)

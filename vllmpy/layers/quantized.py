@@ -106,23 +106,40 @@ def _slab_matmul(x: torch.Tensor, segments: Sequence[PackedTensor], n: int) -> t
     slab by slab, each product written into its columns of one contiguous y (a transposed y would make the
     next layer's ops copy it)."""
     k = x.shape[1]
-    whole = n * k <= _SLAB_FLOATS
-    slab_rows = n if whole else 1 << max(0, (_SLAB_FLOATS // k).bit_length() - 1)
-    key = f"buffer_{x.dtype}"
-    scratch = getattr(_scratch, key, None)
-    if scratch is None or scratch.numel() < slab_rows * k:
-        scratch = torch.empty(slab_rows * k, dtype=x.dtype)
-        setattr(_scratch, key, scratch)
-    lib, threads = block_kernels(), torch.get_num_threads()
-    decode = lib.vq_decode_range_bf16 if x.dtype == torch.bfloat16 else lib.vq_decode_range
-    y = None if whole else result_buffer(x.shape[0], n, x.dtype)
+    if n * k <= _SLAB_FLOATS:
+        weight = _scratch_buffer(n * k, x.dtype).view(n, k)
+        row = 0
+        for segment in segments:
+            _decode_rows(segment, 0, segment.shape[0], weight[row:])
+            row += segment.shape[0]
+        return dense_linear(x, weight)
+    slab_rows = 1 << (max(1, _SLAB_FLOATS // k).bit_length() - 1)
+    scratch = _scratch_buffer(slab_rows * k, x.dtype)
+    y = result_buffer(x.shape[0], n, x.dtype)
     offset = 0
     for segment in segments:
         for first in range(0, segment.shape[0], slab_rows):
             count = min(slab_rows, segment.shape[0] - first)
-            decode(segment.ggml_type, segment.data.data_ptr(), segment.data.shape[1], k, first, count,
-                   scratch[(offset + first if whole else 0) * k:].data_ptr(), threads)
-            if not whole:
-                y[:, offset + first:offset + first + count] = dense_linear(x, scratch[:count * k].view(count, k))
+            slab = scratch[:count * k].view(count, k)  # the last slab may be short
+            _decode_rows(segment, first, count, slab)
+            y[:, offset + first:offset + first + count] = dense_linear(x, slab)
         offset += segment.shape[0]
-    return dense_linear(x, scratch[:n * k].view(n, k)) if whole else y
+    return y
+
+
+def _scratch_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """`numel` values of this thread's decode scratch, which grows to the largest request (every layer reuses it)."""
+    key = f"buffer_{dtype}"
+    scratch = getattr(_scratch, key, None)
+    if scratch is None or scratch.numel() < numel:
+        scratch = torch.empty(numel, dtype=dtype)
+        setattr(_scratch, key, scratch)
+    return scratch[:numel]
+
+
+def _decode_rows(segment: PackedTensor, first: int, count: int, out: torch.Tensor) -> None:
+    """Rows [first, first + count) of `segment` as floats into the start of contiguous `out` (its dtype)."""
+    lib = block_kernels()
+    decode = lib.vq_decode_range_bf16 if out.dtype == torch.bfloat16 else lib.vq_decode_range
+    decode(segment.ggml_type, segment.data.data_ptr(), segment.data.shape[1], segment.shape[1], first, count,
+           out.data_ptr(), torch.get_num_threads())
