@@ -292,9 +292,26 @@ def test_segments_whole_or_in_power_of_two_slabs(slab_floats, monkeypatch):
         segments.append(PackedTensor.from_numpy(data, int(qtype), (rows, cols)))
         dense.append(dequantize(data, qtype).reshape(rows, cols).astype(np.float64))
     weight = np.concatenate(dense)
-    for m in (KERNEL_MAX_ROWS + 1, 70):
+    first_operands = []
+    spy = quantized.dense_linear
+    monkeypatch.setattr(quantized, "dense_linear", lambda a, b: first_operands.append(a.shape[0]) or spy(a, b))
+    for m in (KERNEL_MAX_ROWS + 1, 70, quantized._TRANSPOSED_MAX_ROWS + 1):  # W x^T, then x W^T
+        first_operands.clear()
         x = torch.randn(m, cols)
         got = packed_linear(x, segments).double().numpy()
         assert got.shape == (m, weight.shape[0])
         bound = matmul_bound(x.double().numpy(), weight)
         assert np.all(np.abs(got - x.double().numpy() @ weight.T) <= bound + 1e-30), f"m={m}"
+        transposed = m <= quantized._TRANSPOSED_MAX_ROWS
+        assert all((rows != m) == transposed for rows in first_operands), (m, first_operands)
+
+
+@pytest.mark.parametrize("n, m, ld, column", [(4096, 64, 5000, 700), (37, 13, 50, 5), (8, 8, 8, 0), (100, 3, 107, 7)])
+def test_transpose_into_columns(n, m, ld, column):
+    """vq_transpose writes src^T into columns [column, column + n) of every dst row (8 x 8 register tiles
+    and the ragged edges) and nothing else."""
+    src = torch.randn(n, m)
+    dst = torch.full((m, ld), -7.0)
+    kernels.block_kernels().vq_transpose(src.data_ptr(), n, m, dst.data_ptr() + 4 * column, ld, 2)
+    assert torch.equal(dst[:, column:column + n], src.t())
+    assert (dst[:, :column] == -7.0).all() and (dst[:, column + n:] == -7.0).all()

@@ -20,13 +20,15 @@ from vllmpy.layers.dense import dense_linear
 from vllmpy.layers.recycle import result_buffer
 
 # Up to this many activation rows the block kernel wins; above it, decode + dense matmul (default model,
-# 2 AVX-512 cores: a whole decode step costs 40.8 vs 44.0 ms at 12 rows, 53.8 vs 51.0 at 16).
-KERNEL_MAX_ROWS = 12
+# 2 AVX-512 cores, median decode step: 39.7 vs 46.9 ms at 9 rows, 42.8 vs 44.1 at 10, 47.8 vs 45.2 at 11).
+KERNEL_MAX_ROWS = 10
 # Most values decoded at once (16 MiB of float32): a layer's weight up to this is one matmul whose result is
 # returned as is; a larger one (an LM head) goes in slabs of a power-of-two row count, which oneDNN
 # multiplies ~6% faster than odd counts (64 x 262k x 640 head: 58 vs 62 ms; 4 MiB slabs, copied into
 # the result per layer, cost ~0.9 ms more per layer at 64 rows).
 _SLAB_FLOATS = 1 << 22
+# Up to this many activation rows the decoded weight is the matmul's first operand (`_transposed`).
+_TRANSPOSED_MAX_ROWS = 128
 _scratch = threading.local()
 
 
@@ -102,9 +104,8 @@ def packed_linear(x: torch.Tensor, weight: PackedTensor | Sequence[PackedTensor]
 
 
 def _slab_matmul(x: torch.Tensor, segments: Sequence[PackedTensor], n: int) -> torch.Tensor:
-    """x @ W^T with W decoded into scratch: whole when it fits (one matmul, its result returned as is), else
-    slab by slab, each product written into its columns of one contiguous y (a transposed y would make the
-    next layer's ops copy it)."""
+    """x @ W^T with W decoded into scratch: whole when it fits (one matmul), else slab by slab, each product
+    written into its columns of one contiguous y (a transposed y would make the next layer's ops copy it)."""
     k = x.shape[1]
     if n * k <= _SLAB_FLOATS:
         weight = _scratch_buffer(n * k, x.dtype).view(n, k)
@@ -112,7 +113,11 @@ def _slab_matmul(x: torch.Tensor, segments: Sequence[PackedTensor], n: int) -> t
         for segment in segments:
             _decode_rows(segment, 0, segment.shape[0], weight[row:])
             row += segment.shape[0]
-        return dense_linear(x, weight)
+        if not _transposed(x):
+            return dense_linear(x, weight)  # returned as is: no column copies
+        y = result_buffer(x.shape[0], n, x.dtype)
+        _put_columns(y, 0, dense_linear(weight, x))
+        return y
     slab_rows = 1 << (max(1, _SLAB_FLOATS // k).bit_length() - 1)
     scratch = _scratch_buffer(slab_rows * k, x.dtype)
     y = result_buffer(x.shape[0], n, x.dtype)
@@ -122,9 +127,26 @@ def _slab_matmul(x: torch.Tensor, segments: Sequence[PackedTensor], n: int) -> t
             count = min(slab_rows, segment.shape[0] - first)
             slab = scratch[:count * k].view(count, k)  # the last slab may be short
             _decode_rows(segment, first, count, slab)
-            y[:, offset + first:offset + first + count] = dense_linear(x, slab)
+            if _transposed(x):
+                _put_columns(y, offset + first, dense_linear(slab, x))
+            else:
+                y[:, offset + first:offset + first + count] = dense_linear(x, slab)
         offset += segment.shape[0]
     return y
+
+
+def _transposed(x: torch.Tensor) -> bool:
+    """Whether to multiply as W x^T: oneDNN then reads the decoded weight in place where x W^T first packs
+    it, which costs more than the product's transposition while x has few rows (64 x 640 x 4096: 441 vs
+    345 GFLOP/s; even from 256 rows, 449 vs 445)."""
+    return x.dtype == torch.float32 and x.shape[0] <= _TRANSPOSED_MAX_ROWS
+
+
+def _put_columns(y: torch.Tensor, column: int, product_t: torch.Tensor) -> None:
+    """y[:, column:column + n] = product_t^T for a contiguous [n, rows] product_t."""
+    n, rows = product_t.shape
+    block_kernels().vq_transpose(product_t.data_ptr(), n, rows, y.data_ptr() + y.element_size() * column,
+                                 y.shape[1], torch.get_num_threads())
 
 
 def _scratch_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
