@@ -279,11 +279,21 @@ def test_range_decoders_on_extreme_scales(qtype):
     assert torch.equal(bf16[~torch.from_numpy(nan)].view(torch.int16), expected[~torch.from_numpy(nan)].view(torch.int16))
 
 
+def _cpu_has_avx512() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and " avx512f " in f" {line.split(':')[1].strip()} " for line in f)
+
+
+@pytest.mark.parametrize("path", ["tiled", "dense"])
 @pytest.mark.parametrize("slab_floats", [1 << 22, 24 * 256, 7 * 256])
-def test_segments_whole_or_in_power_of_two_slabs(slab_floats, monkeypatch):
-    """Fused segments of two block types, decoded whole (one matmul) or in slabs with a partial last slab in
-    each segment (slab rows rounded down to a power of two: 24 -> 16, 7 -> 4), equal the dequantized product."""
+def test_segments_whole_or_in_power_of_two_slabs(slab_floats, path, monkeypatch):
+    """Fused segments of two block types (37 and 21 rows: ragged against every tile) equal the dequantized
+    product on each path: the tiled kernel, and without it the weight decoded whole (one matmul) or in slabs
+    with a partial last slab per segment (slab rows rounded down to a power of two: 24 -> 16, 7 -> 4), as
+    W x^T up to _TRANSPOSED_MAX_ROWS rows, as x W^T above."""
     monkeypatch.setattr(quantized, "_SLAB_FLOATS", slab_floats)
+    if path == "dense":
+        monkeypatch.setattr(quantized, "_tiled_matmul", lambda x, segments, n: None)
     rng = np.random.default_rng(slab_floats)
     cols, parts = 256, [(Q.Q4_K, 37), (Q.Q8_0, 21)]
     segments, dense = [], []
@@ -295,7 +305,8 @@ def test_segments_whole_or_in_power_of_two_slabs(slab_floats, monkeypatch):
     first_operands = []
     spy = quantized.dense_linear
     monkeypatch.setattr(quantized, "dense_linear", lambda a, b: first_operands.append(a.shape[0]) or spy(a, b))
-    for m in (KERNEL_MAX_ROWS + 1, 70, quantized._TRANSPOSED_MAX_ROWS + 1):  # W x^T, then x W^T
+    tiled = path == "tiled" and _cpu_has_avx512()
+    for m in (KERNEL_MAX_ROWS + 1, 70, quantized._TRANSPOSED_MAX_ROWS, quantized._TRANSPOSED_MAX_ROWS + 1):
         first_operands.clear()
         x = torch.randn(m, cols)
         got = packed_linear(x, segments).double().numpy()
@@ -303,7 +314,19 @@ def test_segments_whole_or_in_power_of_two_slabs(slab_floats, monkeypatch):
         bound = matmul_bound(x.double().numpy(), weight)
         assert np.all(np.abs(got - x.double().numpy() @ weight.T) <= bound + 1e-30), f"m={m}"
         transposed = m <= quantized._TRANSPOSED_MAX_ROWS
-        assert all((rows != m) == transposed for rows in first_operands), (m, first_operands)
+        if tiled and transposed:
+            assert first_operands == [], (m, first_operands)  # the C kernel, no dense matmul
+        else:
+            assert first_operands and all((rows != m) == transposed for rows in first_operands), (m, first_operands)
+
+
+def test_tiled_kernel_is_built_exactly_where_avx512_is():
+    """vq_matmul_tiled computes on AVX-512 CPUs and declines (0, so the slab path runs) elsewhere."""
+    data = random_blocks(Q.Q8_0, 8, 64, np.random.default_rng(0))
+    x, y = torch.randn(16, 64), torch.empty(16, 8)
+    done = kernels.block_kernels().vq_matmul_tiled(int(Q.Q8_0), data.ctypes.data, data.shape[1], 8, 64,
+                                                  x.data_ptr(), 16, y.data_ptr(), 8, 1)
+    assert done == int(_cpu_has_avx512())
 
 
 @pytest.mark.parametrize("n, m, ld, column", [(4096, 64, 5000, 700), (37, 13, 50, 5), (8, 8, 8, 0), (100, 3, 107, 7)])

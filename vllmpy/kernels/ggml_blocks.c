@@ -776,24 +776,24 @@ FORCE_INLINE void fast_block_q6_k(int bf16, const uint8_t *b, void *out, int64_t
 
 /* Rows first .. first + n_rows of the packed [N, k] tensor into out (float or bf16), the block
  * type and output a constant per instance. */
+FORCE_INLINE void fast_row(int type, int block_bytes, int bf16, const uint8_t *row, int64_t k, void *out, int64_t at) {
+    const int block_elems = type == 12 || type == 13 || type == 14 ? QK_K : 32;
+    for (int64_t b = 0; b < k / block_elems; b++) {
+        const uint8_t *blk = row + b * block_bytes;
+        const int64_t i = at + b * block_elems;
+        if (type == 14)
+            fast_block_q6_k(bf16, blk, out, i);
+        else if (type == 12 || type == 13)
+            fast_block_k45(type, bf16, blk, out, i);
+        else
+            fast_block32(type, bf16, blk, out, i);
+    }
+}
+
 FORCE_INLINE void fast_range_of(int type, int block_bytes, int bf16, const uint8_t *w, int64_t row_bytes, int64_t k,
                                 int64_t first, int64_t n_rows, void *out, int threads) {
-    const int block_elems = type == 12 || type == 13 || type == 14 ? QK_K : 32;
-    const int64_t nb = k / block_elems;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < n_rows; r++) {
-        const uint8_t *row = w + (first + r) * row_bytes;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * block_bytes;
-            const int64_t i = r * k + b * block_elems;
-            if (type == 14)
-                fast_block_q6_k(bf16, blk, out, i);
-            else if (type == 12 || type == 13)
-                fast_block_k45(type, bf16, blk, out, i);
-            else
-                fast_block32(type, bf16, blk, out, i);
-        }
-    }
+    for (int64_t r = 0; r < n_rows; r++) fast_row(type, block_bytes, bf16, w + (first + r) * row_bytes, k, out, r * k);
 }
 
 /* The vectorized vq_decode_range(_bf16) for `type`; 0 when it has none here (the scalar decoders then). */
@@ -1055,20 +1055,22 @@ static inline void transpose8(const float *s, int64_t ss, float *d, int64_t ds) 
 /* dst[j * ld + i] = src[i * m + j] for i < n, j < m. The slab path multiplies few activation rows as
  * W x^T, which oneDNN reads with the decoded weight in place instead of packing it first (~25% faster
  * at 64 rows); this puts each product back into x's row order, at its columns of the whole result. */
+static void transpose_rows(const float *src, int64_t lds, int64_t i0, int64_t i1, int64_t m, float *dst, int64_t ld) {
+    for (int64_t j = 0; j < m; j += 8) {
+        int64_t i = i0;
+#ifdef __AVX__
+        if (j + 8 <= m)
+            for (; i + 8 <= i1; i += 8) transpose8(src + i * lds + j, lds, dst + j * ld + i, ld);
+#endif
+        for (; i < i1; i++)
+            for (int64_t c = j; c < j + 8 && c < m; c++) dst[c * ld + i] = src[i * lds + c];
+    }
+}
+
 void vq_transpose(const float *src, int64_t n, int64_t m, float *dst, int64_t ld, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * m > 65536)
-    for (int64_t i0 = 0; i0 < n; i0 += 64) { /* 64 source rows at a time: 256-byte runs of each dst row */
-        const int64_t i1 = i0 + 64 < n ? i0 + 64 : n;
-        for (int64_t j = 0; j < m; j += 8) {
-            int64_t i = i0;
-#ifdef __AVX__
-            if (j + 8 <= m)
-                for (; i + 8 <= i1; i += 8) transpose8(src + i * m + j, m, dst + j * ld + i, ld);
-#endif
-            for (; i < i1; i++)
-                for (int64_t c = j; c < j + 8 && c < m; c++) dst[c * ld + i] = src[i * m + c];
-        }
-    }
+    for (int64_t i0 = 0; i0 < n; i0 += 64) /* 64 source rows at a time: 256-byte runs of each dst row */
+        transpose_rows(src, m, i0, i0 + 64 < n ? i0 + 64 : n, m, dst, ld);
 }
 
 /* Round-to-nearest-even float -> bfloat16 bits (NaN stays NaN). */
@@ -1095,6 +1097,107 @@ void vq_decode_range_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t
             for (int j = 0; j < f->block_elems; j++) o[j] = to_bf16(buf[j]);
         }
     }
+}
+
+#if defined(HAVE_ROW_DOT) && defined(__AVX512F__)
+/* Tiled x W^T for batches (11 to 128 activation rows): each thread decodes PANEL weight rows at a time into
+ * its own buffer, which stays in cache, and multiplies them as W x^T in register tiles of MR weight rows by
+ * up to 64 activation rows (x^T packed once per call, zero-padded to whole vectors). The slab path instead
+ * writes the decoded weight to a scratch that the attention's KV stream evicts between layers, then
+ * oneDNN packs it again; here the weight is decoded once and read from cache. Each output is one float32
+ * FMA chain in order of k. */
+#define MR 6     /* weight rows per register tile: MR x 4 accumulators of 16 */
+#define PANEL 48 /* weight rows decoded at once by a thread */
+
+static void decode_panel(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t first, int64_t n,
+                         float *out) {
+    switch (type) {
+#define PANEL_ROWS(T, BB)                                                                                  \
+    case T:                                                                                                \
+        for (int64_t r = 0; r < n; r++) fast_row(T, BB, 0, w + (first + r) * row_bytes, k, out, r * k);    \
+        return;
+    PANEL_ROWS(2, 18) PANEL_ROWS(3, 20) PANEL_ROWS(6, 22) PANEL_ROWS(7, 24) PANEL_ROWS(8, 34) PANEL_ROWS(20, 18)
+    PANEL_ROWS(12, 144) PANEL_ROWS(13, 176) PANEL_ROWS(14, 210)
+#undef PANEL_ROWS
+    default: {
+        const Format *f = find(type);
+        for (int64_t r = 0; r < n; r++) decode_row(f, w + (first + r) * row_bytes, k / f->block_elems, out + r * k);
+    }
+    }
+}
+
+/* c[i, 0 .. 16 nv) = sum_kk a[i, kk] * b[kk, 0 .. 16 nv) for i < MR; nv is a constant per inlined copy. */
+FORCE_INLINE void tile_wx(const float *a, int64_t k, const float *b, int64_t ldb, int nv, float *c, int64_t ldc) {
+    __m512 acc[MR][4];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < nv; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk++) {
+        __m512 bv[4];
+        for (int j = 0; j < nv; j++) bv[j] = _mm512_loadu_ps(b + kk * ldb + 16 * j);
+        for (int i = 0; i < MR; i++) {
+            const __m512 av = _mm512_set1_ps(a[i * k + kk]);
+            for (int j = 0; j < nv; j++) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < nv; j++) _mm512_storeu_ps(c + i * ldc + 16 * j, acc[i][j]);
+}
+
+static int tiled_matmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const float *x,
+                        int64_t m_rows, float *y, int64_t ldy, int threads) {
+    const int64_t mp = (m_rows + 15) / 16 * 16;
+    float *bt = aligned_alloc(64, sizeof(float) * (size_t)(k * mp));
+    if (!bt) return 0;
+    for (int64_t kk = 0; kk < k; kk++)
+        for (int64_t m = 0; m < mp; m++) bt[kk * mp + m] = m < m_rows ? x[m * k + kk] : 0.0f;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *a = aligned_alloc(64, sizeof(float) * (size_t)(PANEL * k));
+        float *c = aligned_alloc(64, sizeof(float) * PANEL * (size_t)mp);
+        if (!a || !c) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r0 = 0; r0 < n; r0 += PANEL) {
+            if (!a || !c) continue;
+            const int64_t rows = n - r0 < PANEL ? n - r0 : PANEL, tiles = (rows + MR - 1) / MR;
+            decode_panel(type, w, row_bytes, k, r0, rows, a);
+            memset(a + rows * k, 0, sizeof(float) * (size_t)((tiles * MR - rows) * k)); /* a short last tile */
+            for (int64_t t = 0; t < tiles; t++)
+                for (int64_t m0 = 0; m0 < mp; m0 += 64) {
+                    const float *at = a + t * MR * k, *b = bt + m0;
+                    float *ct = c + t * MR * mp + m0;
+                    switch ((mp - m0) / 16) {
+                    case 1: tile_wx(at, k, b, mp, 1, ct, mp); break;
+                    case 2: tile_wx(at, k, b, mp, 2, ct, mp); break;
+                    case 3: tile_wx(at, k, b, mp, 3, ct, mp); break;
+                    default: tile_wx(at, k, b, mp, 4, ct, mp); break;
+                    }
+                }
+            transpose_rows(c, mp, 0, rows, m_rows, y + r0, ldy);
+        }
+        free(a);
+        free(c);
+    }
+    free(bt);
+    return !failed;
+}
+#undef MR
+#undef PANEL
+#endif
+
+/* y = x W^T (W packed [n, k], y row stride ldy) for a batch of up to 128 activation rows, through the
+ * tiled kernel above. 0 when this build has none (no AVX-512) or memory ran out: the caller then takes
+ * the slab path. */
+int vq_matmul_tiled(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const float *x,
+                    int64_t m_rows, float *y, int64_t ldy, int threads) {
+#if defined(HAVE_ROW_DOT) && defined(__AVX512F__)
+    if (find(type) && m_rows <= 128) return tiled_matmul(type, w, row_bytes, n, k, x, m_rows, y, ldy, threads);
+#endif
+    (void)type, (void)w, (void)row_bytes, (void)n, (void)k, (void)x, (void)m_rows, (void)y, (void)ldy, (void)threads;
+    return 0;
 }
 
 /* y[m, n] = sum_k x[m, k] * W[n, k] for m < M (M <= 64), W packed [N, K]; y row stride ldy. */
