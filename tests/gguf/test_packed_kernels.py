@@ -293,7 +293,7 @@ def test_segments_whole_or_in_power_of_two_slabs(slab_floats, path, monkeypatch)
     W x^T up to _TRANSPOSED_MAX_ROWS rows, as x W^T above."""
     monkeypatch.setattr(quantized, "_SLAB_FLOATS", slab_floats)
     if path == "dense":
-        monkeypatch.setattr(quantized, "_tiled_matmul", lambda x, segments, n: None)
+        monkeypatch.setattr(quantized, "_tiled_kernel_built", lambda: False)
     rng = np.random.default_rng(slab_floats)
     cols, parts = 256, [(Q.Q4_K, 37), (Q.Q8_0, 21)]
     segments, dense = [], []
@@ -321,12 +321,14 @@ def test_segments_whole_or_in_power_of_two_slabs(slab_floats, path, monkeypatch)
 
 
 def test_tiled_kernel_is_built_exactly_where_avx512_is():
-    """vq_matmul_tiled computes on AVX-512 CPUs and declines (0, so the slab path runs) elsewhere."""
+    """vq_matmul_tiled computes on AVX-512 CPUs and declines (0, so the slab path runs) elsewhere, as
+    vq_matmul_tiled_built says."""
     data = random_blocks(Q.Q8_0, 8, 64, np.random.default_rng(0))
     x, y = torch.randn(16, 64), torch.empty(16, 8)
     done = kernels.block_kernels().vq_matmul_tiled(int(Q.Q8_0), data.ctypes.data, data.shape[1], 8, 64,
                                                   x.data_ptr(), 16, y.data_ptr(), 8, 1)
     assert done == int(_cpu_has_avx512())
+    assert kernels.block_kernels().vq_matmul_tiled_built() == int(_cpu_has_avx512())
 
 
 @pytest.mark.parametrize("n, m, ld, column", [(4096, 64, 5000, 700), (37, 13, 50, 5), (8, 8, 8, 0), (100, 3, 107, 7)])

@@ -97,6 +97,8 @@ def _bind_blocks(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vq_transpose.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _INT]
     lib.vq_matmul_tiled.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
     lib.vq_matmul_tiled.restype = _INT
+    lib.vq_matmul_tiled_built.argtypes = []
+    lib.vq_matmul_tiled_built.restype = _INT
     for fn in (lib.vq_decode_rows, lib.vq_decode_range, lib.vq_decode_range_bf16, lib.vq_matmul, lib.vq_transpose):
         fn.restype = None
     return lib

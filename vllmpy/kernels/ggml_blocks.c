@@ -1052,9 +1052,7 @@ static inline void transpose8(const float *s, int64_t ss, float *d, int64_t ds) 
 }
 #endif
 
-/* dst[j * ld + i] = src[i * m + j] for i < n, j < m. The slab path multiplies few activation rows as
- * W x^T, which oneDNN reads with the decoded weight in place instead of packing it first (~25% faster
- * at 64 rows); this puts each product back into x's row order, at its columns of the whole result. */
+/* dst[j * ld + i] = src[i * lds + j] for source rows i0 <= i < i1 and j < m. */
 static void transpose_rows(const float *src, int64_t lds, int64_t i0, int64_t i1, int64_t m, float *dst, int64_t ld) {
     for (int64_t j = 0; j < m; j += 8) {
         int64_t i = i0;
@@ -1067,6 +1065,9 @@ static void transpose_rows(const float *src, int64_t lds, int64_t i0, int64_t i1
     }
 }
 
+/* dst[j * ld + i] = src[i * m + j] for i < n, j < m. The slab path multiplies few activation rows as
+ * W x^T, which oneDNN reads with the decoded weight in place instead of packing it first (~25% faster
+ * at 64 rows); this puts each product back into x's row order, at its columns of the whole result. */
 void vq_transpose(const float *src, int64_t n, int64_t m, float *dst, int64_t ld, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * m > 65536)
     for (int64_t i0 = 0; i0 < n; i0 += 64) /* 64 source rows at a time: 256-byte runs of each dst row */
@@ -1187,6 +1188,15 @@ static int tiled_matmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n
 #undef MR
 #undef PANEL
 #endif
+
+/* Whether this build has the tiled kernel (AVX-512): asked once, not on every call. */
+int vq_matmul_tiled_built(void) {
+#if defined(HAVE_ROW_DOT) && defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* y = x W^T (W packed [n, k], y row stride ldy) for a batch of up to 128 activation rows, through the
  * tiled kernel above. 0 when this build has none (no AVX-512) or memory ran out: the caller then takes

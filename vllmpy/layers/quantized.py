@@ -9,9 +9,10 @@ the weight into a scratch buffer (whole, or slab by slab when it is large) and h
 """
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,24 +83,22 @@ def packed_linear(x: torch.Tensor, weight: PackedTensor | Sequence[PackedTensor]
     """x @ W^T (+ b) with W packed, result in x's dtype; W may be a run of segments stacked along the
     output (fused q/k/v of different block types), each written into its columns of one result.
 
-    Few rows: float32 in the block kernel. Many rows: slabs in float32, or in bfloat16 when x is (the
-    user chose --dtype bfloat16: CPUs with AVX512-BF16 or AMX multiply it natively, ~4x faster)."""
+    Few rows: float32 in the block kernel. Up to 128 float32 rows: the tiled kernel where built (AVX-512).
+    Else slabs in float32, or in bfloat16 when x is (the user chose --dtype bfloat16: CPUs with
+    AVX512-BF16 or AMX multiply it natively, ~4x faster)."""
     segments = (weight,) if isinstance(weight, PackedTensor) else weight
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     rows, n = x2.shape[0], sum(segment.shape[0] for segment in segments)
     if rows <= KERNEL_MAX_ROWS:
-        x2 = x2.float().contiguous()
-        y = torch.empty(rows, n, dtype=torch.float32)
-        lib, threads, column = block_kernels(), torch.get_num_threads(), 0
-        for segment in segments:
-            rows_out = segment.shape[0]
-            lib.vq_matmul(segment.ggml_type, segment.data.data_ptr(), segment.data.shape[1], rows_out, k,
-                          x2.data_ptr(), rows, y.data_ptr() + 4 * column, n, threads)
-            column += rows_out
+        y = _by_segment(block_kernels().vq_matmul, x2.float().contiguous(), segments, torch.empty(rows, n))
     else:
-        dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float32
-        y = _slab_matmul(x2.to(dtype).contiguous(), segments, n)
+        x2 = x2.to(torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float32).contiguous()
+        y = None
+        if _transposed(x2) and _tiled_kernel_built():  # decoded in cache (~500 vs ~440 GFLOP/s at 64 rows)
+            y = _by_segment(block_kernels().vq_matmul_tiled, x2, segments, result_buffer(rows, n, torch.float32))
+        if y is None:
+            y = _slab_matmul(x2, segments, n)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.to(x.dtype).view(*lead, n)
@@ -109,8 +108,6 @@ def _slab_matmul(x: torch.Tensor, segments: Sequence[PackedTensor], n: int) -> t
     """x @ W^T with W decoded into scratch: whole when it fits (one matmul), else slab by slab, each product
     written into its columns of one contiguous y (a transposed y would make the next layer's ops copy it)."""
     k = x.shape[1]
-    if _transposed(x) and (y := _tiled_matmul(x, segments, n)) is not None:
-        return y
     if n * k <= _SLAB_FLOATS:
         weight = _scratch_buffer(n * k, x.dtype).view(n, k)
         row = 0
@@ -146,18 +143,23 @@ def _transposed(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.shape[0] <= _TRANSPOSED_MAX_ROWS
 
 
-def _tiled_matmul(x: torch.Tensor, segments: Sequence[PackedTensor], n: int) -> torch.Tensor | None:
-    """x @ W^T by the C tiled kernel, which decodes each thread's weight rows into cache and multiplies them
-    there (64 rows x 640 x 4096: ~500 GFLOP/s with the decode, against ~440 for oneDNN alone on the decoded
-    weight); None where this build has no such kernel (no AVX-512), and the slab path runs."""
-    y = result_buffer(x.shape[0], n, torch.float32)
-    lib, threads, column = block_kernels(), torch.get_num_threads(), 0
+def _by_segment(kernel: Callable[..., int | None], x: torch.Tensor, segments: Sequence[PackedTensor],
+                y: torch.Tensor) -> torch.Tensor | None:
+    """y = x @ W^T by a C kernel called per segment, each writing its columns of the float32 y; None when the
+    kernel declines one (returns 0: the tiled kernel out of memory; vq_matmul returns nothing, never declines)."""
+    threads, column = torch.get_num_threads(), 0
     for segment in segments:
-        if not lib.vq_matmul_tiled(segment.ggml_type, segment.data.data_ptr(), segment.data.shape[1], segment.shape[0],
-                                   x.shape[1], x.data_ptr(), x.shape[0], y.data_ptr() + 4 * column, n, threads):
+        if kernel(segment.ggml_type, segment.data.data_ptr(), segment.data.shape[1], segment.shape[0], x.shape[1],
+                  x.data_ptr(), x.shape[0], y.data_ptr() + 4 * column, y.shape[1], threads) == 0:
             return None
         column += segment.shape[0]
     return y
+
+
+@functools.cache
+def _tiled_kernel_built() -> bool:
+    """Whether the block library has the tiled kernel for 11-128 rows (AVX-512 builds); the others use slabs."""
+    return bool(block_kernels().vq_matmul_tiled_built())
 
 
 def _put_columns(y: torch.Tensor, column: int, product_t: torch.Tensor) -> None:
