@@ -5,7 +5,7 @@ from vllmpy.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "PoolingParams",
+__all__ = ["LLM", "ModelRegistry", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "PoolingParams",
            "EmbeddingRequestOutput", "EmbeddingOutput", "__version__"]
 
 
@@ -14,4 +14,7 @@ def __getattr__(name: str):
     if name == "LLM":
         from vllmpy.entrypoints.llm import LLM
         return LLM
+    if name == "ModelRegistry":  # out-of-tree architectures (see vllmpy.plugins)
+        from vllmpy.models.registry import ModelRegistry
+        return ModelRegistry
     raise AttributeError(name)

@@ -3,15 +3,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from vllmpy.structured_output.config import StructuredOutputsConfig
+
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-TASKS = ("auto", "generate", "embed")  # auto: the architecture's own (BertModel, LlamaModel, ... embed)
+# vLLM's cache dtype names plus int8 (attention/kv_dtype.py maps them to storage dtypes).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# vLLM names we do not store, and why.
+KV_CACHE_DTYPES_NOT_STORED = {"fp8_inc": "vLLM's Intel Gaudi fp8 format",
+                              "fp8_ds_mla": "vLLM's DeepSeek MLA fp8 layout"}
+# auto: the architecture's own (BertModel, LlamaModel, ... embed; *ForSequenceClassification classify)
+TASKS = ("auto", "generate", "embed", "classify")
 
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    """Refuse a value that is not a cache dtype we store, naming it."""
+    if name in KV_CACHE_DTYPES_NOT_STORED:
+        raise ValueError(f"--kv-cache-dtype {name} ({KV_CACHE_DTYPES_NOT_STORED[name]}) is not stored here; "
+                         f"choose one of {', '.join(KV_CACHE_DTYPES)}")
+    _require(name in KV_CACHE_DTYPES, f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
 
 
 @dataclass
@@ -26,14 +42,23 @@ class ModelConfig:
     seed: int = 0
     logits_processors: list = field(default_factory=list)  # engine-level (batch) processors, objects or classes
     task: str = "auto"
+    # Most logprobs a request may ask for per position (logprobs, prompt_logprobs; -1 = the whole vocabulary).
+    # vLLM's default of 20: one request asking for the whole vocabulary at every position costs
+    # vocab_size entries per token (megabytes of JSON), so that takes the operator's --max-logprobs -1.
+    max_logprobs: int = 20
+    # vLLM's StructuredOutputsConfig, or its dict / JSON text (--structured-outputs-config); validate() parses it
+    structured_outputs_config: StructuredOutputsConfig | dict | str | None = None
 
     def validate(self) -> None:
+        self.structured_outputs_config = StructuredOutputsConfig.parse(self.structured_outputs_config)
         _require(self.task in TASKS, f"--task must be one of {', '.join(TASKS)}, got {self.task!r}")
         _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.device in DEVICES or self.device.startswith("cuda:"),
                  f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         _require(self.max_model_len is None or self.max_model_len >= 1,
                  f"--max-model-len must be >= 1, got {self.max_model_len}")
+        _require(self.max_logprobs >= -1,
+                 f"--max-logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
 
 
 @dataclass
@@ -42,8 +67,10 @@ class CacheConfig:
     num_blocks: int | None = None  # per-layer block count; overrides sizing
     kv_cache_memory: int | None = None  # bytes for the whole pool
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto: the checkpoint's declared KV quantization, else the model dtype
 
     def validate(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
                  f"--block-size must be a power of two >= 1, got {self.block_size}")
         _require(self.num_blocks is None or self.num_blocks >= 1,

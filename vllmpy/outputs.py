@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -83,3 +84,42 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     error: str | None = None
+
+
+@dataclass
+class PoolingOutput:
+    data: Any  # torch.Tensor: the pooler's output (an embedding, or a classifier's activated logits)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # the activated logits, one per label (raw logits with use_activation=False)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # a cross-encoder's activated logit, or the cosine similarity of two embeddings
+
+
+@dataclass
+class PoolingRequestOutput:
+    """LLM.encode's result, vLLM's shape; LLM.classify and LLM.score return the subclasses below."""
+
+    request_id: str
+    outputs: PoolingOutput | ClassificationOutput | ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    outputs: ClassificationOutput
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    outputs: ScoringOutput

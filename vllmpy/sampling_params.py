@@ -48,7 +48,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        if self.top_k < 0:  # vLLM accepts -1 for "disabled"
+        if self.top_k == -1:  # vLLM quietly accepts -1 for "disabled" but prefers 0
             self.top_k = 0
         if self.guided_decoding is not None:
             if self.structured_outputs is not None:
@@ -67,6 +67,8 @@ class SamplingParams:
             bad("temperature", ">= 0")
         if not 0 < self.top_p <= 1:
             bad("top_p", "in (0, 1]")
+        if self.top_k < 0:
+            bad("top_k", "0 (disable), or at least 1 (-1 also disables)")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "in [0, 1]")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -85,10 +87,29 @@ class SamplingParams:
             bad("prompt_logprobs", ">= 0, or -1 for the whole vocabulary")
         if self.logprobs is not None and self.logprobs < -1:
             bad("logprobs", ">= 0, or -1 for the whole vocabulary")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "token ids >= 0")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "a StructuredOutputsParams")
         if not all(callable(fn) for fn in self.logits_processors):
             bad("logits_processors", "a list of callables (output_token_ids, logits) -> logits")
+
+    def check_logprobs_limit(self, max_logprobs: int, vocab_size: int) -> None:
+        """Refuse logprobs / prompt_logprobs above the engine's --max-logprobs (-1 there: the whole
+        vocabulary) or above the vocabulary itself; -1 here asks for the whole vocabulary."""
+        limit = vocab_size if max_logprobs == -1 else max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(self, name)
+            if asked is None:
+                continue
+            wanted = vocab_size if asked == -1 else asked
+            if wanted > vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size ({vocab_size}), got {asked}")
+            if wanted > limit:
+                what = "the whole vocabulary (-1)" if asked == -1 else asked
+                raise ValueError(f"{name} asks for {what} but the engine allows at most {limit} (--max-logprobs "
+                                 f"{max_logprobs}); ask for fewer, or start the engine with a larger --max-logprobs "
+                                 f"(-1 allows the whole vocabulary)")
 
     @property
     def greedy(self) -> bool:

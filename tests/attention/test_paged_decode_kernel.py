@@ -14,7 +14,8 @@ import torch
 from vllmpy import kernels
 from vllmpy.attention import torch_paged
 from vllmpy.attention.base import AttentionMetadata, AttentionSpec
-from vllmpy.attention.torch_paged import _decode_batch, _decode_index, paged_attention
+from vllmpy.attention.kv_storage import as_paged
+from vllmpy.attention.torch_paged import _decode_index, paged_attention
 
 CPU = torch.device("cpu")
 ATOL_F32 = 1e-5  # same fp32 inputs: only summation order and exp/tanh rounding differ
@@ -77,10 +78,10 @@ def spec_for(heads: int, kv_heads: int, dim: int, window: int | None, cap: float
 def both_paths(lib, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(kernel output of every token, torch decode rows computed in float32, decode token indices)."""
-    tokens = _decode_batch(meta, CPU)["token_idx"]
-    expected = torch_paged._decode(q[tokens].float(), cache, _decode_index(meta, spec.sliding_window, CPU), spec)
+    tokens = meta.decode.token_idx
+    expected = torch_paged._decode(q[tokens].float(), as_paged(cache), _decode_index(meta, spec.sliding_window, CPU), spec)
     out = torch.full_like(q, float("nan"))
-    torch_paged._kernel_decode(lib, q, cache, _decode_batch(meta, CPU), spec, out)
+    torch_paged._kernel_decode(lib, q, as_paged(cache), meta.decode, spec, out)
     return out, expected, tokens
 
 
@@ -134,7 +135,7 @@ def test_bf16_model_and_strided_queries(lib, qkv_layout):
     out, expected, tokens = both_paths(lib, q, cache, meta, spec)
     torch.testing.assert_close(out[tokens], expected, atol=ATOL_F32, rtol=0)
     out16, _, _ = both_paths(lib, q.bfloat16(), cache, meta, spec)
-    expected16 = torch_paged._decode(q[tokens].bfloat16().float(), cache, _decode_index(meta, None, CPU), spec)
+    expected16 = torch_paged._decode(q[tokens].bfloat16().float(), as_paged(cache), _decode_index(meta, None, CPU), spec)
     assert out16.dtype == torch.bfloat16
     torch.testing.assert_close(out16[tokens].float(), expected16, atol=2e-2, rtol=1e-2)  # bf16 output rounding
 

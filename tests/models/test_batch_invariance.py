@@ -2,6 +2,8 @@
 prefix cache, under preemption, or arriving while others decode (strict, or near-tie as DESIGN.md)."""
 from __future__ import annotations
 
+import pytest
+
 from tests.gate import NEAR_TIE_GAP
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -14,6 +16,10 @@ PROMPTS = [SHARED + q for q in ("What is the capital of France?", "Name a prime 
     "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20", "Paris is", "Once upon a time"]
 MAX_TOKENS = 12
 MAX_MODEL_LEN = 256
+# Tiny configs with windows of 8 (16 for Phi-3) under prompts of ~30 tokens: the window matters and
+# sliding groups return blocks as they go (with 4-token blocks a window spans several of them).
+SLIDING_ARCHS = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "MistralForCausalLM", "Cohere2ForCausalLM",
+                 "Phi3ForCausalLM"]
 
 
 def _params():
@@ -41,7 +47,8 @@ def _agree(reference, other, label: str) -> int:
 
 
 def _reschedule(llm, **overrides):
-    """Swap in a scheduler with other limits over the same loaded model (no reload)."""
+    """Swap in a scheduler with other limits over the same loaded model (no reload); num_blocks may
+    only shrink the pool the runner allocated."""
     from dataclasses import replace
 
     from vllmpy.engine.scheduler import Scheduler
@@ -49,7 +56,8 @@ def _reschedule(llm, **overrides):
     core = llm.engine.core
     cache = replace(core.config.cache, **{k: v for k, v in overrides.items() if k in ("enable_prefix_caching",)})
     sched = replace(core.config.scheduler, **{k: v for k, v in overrides.items() if k in ("max_num_batched_tokens", "max_num_seqs")})
-    core.scheduler = Scheduler(sched, cache, overrides.get("num_blocks", core.num_blocks), core.max_model_len)
+    kv = replace(core.kv_cache_config, num_blocks=overrides.get("num_blocks", core.num_blocks))
+    core.scheduler = Scheduler(sched, cache, kv, core.max_model_len)
     return core.scheduler
 
 
@@ -84,8 +92,13 @@ def _check_invariance(llm) -> None:
     _agree(one_at_a_time, _outputs(llm), "(d) prefix cache, warm")
     assert scheduler.stats().prefix_cache_hits > hits_before, "the second run did not hit the prefix cache"
 
-    block_size = llm.engine.core.config.cache.block_size
-    scheduler = _reschedule(llm, num_blocks=MAX_MODEL_LEN // block_size, enable_prefix_caching=False)
+    # The smallest pool that holds one full-length sequence; where a window's share shrinks with the
+    # chunk, 16-token chunks keep it small so that the pool is tight.
+    core = llm.engine.core
+    layout, default_chunk = core.kv_cache_config.layout, core.config.scheduler.max_num_batched_tokens
+    chunk = min((default_chunk, 16), key=lambda c: layout.blocks_per_request(MAX_MODEL_LEN, c))
+    scheduler = _reschedule(llm, num_blocks=layout.blocks_per_request(MAX_MODEL_LEN, chunk),
+                            enable_prefix_caching=False, max_num_batched_tokens=chunk)
     _agree(one_at_a_time, _outputs(llm), "(e) tiny pool")
     assert scheduler.stats().num_preemptions > 0, "the tiny pool caused no preemption"
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
@@ -110,6 +123,37 @@ def test_batch_invariance_tiny_model(smollm2_tokenizer_dir, tmp_path):
 
     make_tiny_checkpoint("LlamaForCausalLM", smollm2_tokenizer_dir, tmp_path)
     _check_invariance(LLM(model=str(tmp_path), dtype="float32", max_model_len=MAX_MODEL_LEN, num_blocks=256))
+
+
+def _check_window_reclaimed(llm) -> None:
+    """While a long prompt decodes, each sliding group holds only its window's blocks; then all return."""
+    from vllmpy.engine.kv_cache_managers import SlidingWindowManager
+
+    engine, kv, core = llm.engine, llm.engine.core.scheduler.kv, llm.engine.core
+    sliding = [m for m in kv.managers if isinstance(m, SlidingWindowManager)]
+    assert sliding, "no sliding-window group"
+    # The groups' layers share the pool's bytes: what is allocated is what sizing counted.
+    assert core.runner.kv_cache_bytes == core.num_blocks * core.kv_cache_config.layout.block_bytes
+    engine.add_request("long", PROMPTS[0], _params())
+    for _ in range(4):
+        engine.step()
+    for manager in sliding:
+        table = manager.tables["long"]
+        held = [block for block in table if block is not None]
+        assert None in table and len(held) <= -(-manager.window // manager.block_size) + 1, table
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("arch", SLIDING_ARCHS)
+def test_batch_invariance_sliding_window(arch, smollm2_tokenizer_dir, tmp_path):
+    from vllmpy import LLM
+
+    make_tiny_checkpoint(arch, smollm2_tokenizer_dir, tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", max_model_len=MAX_MODEL_LEN, num_blocks=512, block_size=4)
+    _check_invariance(llm)
+    _check_window_reclaimed(llm)
 
 
 def test_batch_invariance_default_model():

@@ -63,7 +63,7 @@ REFUSALS = [
 ODD_BUT_SERVED = [
     {**NORMAL, "top_k": 10**9, "temperature": 1.0, "seed": -(2**63)},
     {**NORMAL, "logprobs": 10**6, "max_tokens": 1},
-    {**NORMAL, "prompt": "a b", "prompt_logprobs": -1, "max_tokens": 1},  # the whole vocabulary is served
+    {**NORMAL, "prompt": "a b", "prompt_logprobs": -1, "max_tokens": 1},  # refused under --max-logprobs 20
     {**NORMAL, "stop_token_ids": [10**9], "min_tokens": 2},
     {**NORMAL, "logit_bias": {"0": 1e30}, "repetition_penalty": 1e30},
     {**NORMAL, "stop": [""], "priority": -10**12},

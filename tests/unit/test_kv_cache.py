@@ -1,19 +1,37 @@
-"""BlockPool ref counts and eviction order; KVCacheManager prefix caching and allocation."""
+"""BlockPool ref counts and eviction order; the coordinator's prefix caching and allocation (one
+full-attention group: tests/unit/test_kv_cache_groups.py covers several)."""
 import pytest
 
+from tests.kv_harness import kv_config
 from vllmpy.engine import kv_cache
-from vllmpy.engine.kv_cache import BlockPool, KVCacheManager, hash_block_tokens
+from vllmpy.engine.kv_cache import BlockPool, hash_block_tokens
+from vllmpy.engine.kv_cache_coordinator import KVCacheCoordinator
 from vllmpy.engine.request import Request
 from vllmpy.sampling_params import SamplingParams
 
 BS = 4
 
 
+def make_manager(num_blocks: int, enable_caching: bool) -> KVCacheCoordinator:
+    return KVCacheCoordinator(kv_config(num_blocks, BS), enable_caching)
+
+
+def table_ids(manager: KVCacheCoordinator, req_id: str) -> list[int]:
+    (table,) = manager.block_ids(req_id)
+    return table
+
+
+def lookup(manager: KVCacheCoordinator, request: Request) -> tuple[list, int]:
+    """The prefix hit of the one group."""
+    (blocks,), num_cached = manager.get_computed_blocks(request)
+    return blocks, num_cached
+
+
 def make_request(req_id: str, tokens: list[int], **params) -> Request:
     return Request(req_id, tokens, SamplingParams(**params))
 
 
-def run_prefill(manager: KVCacheManager, request: Request) -> None:
+def run_prefill(manager: KVCacheCoordinator, request: Request) -> None:
     """Allocate and 'compute' the whole prompt, publishing its full blocks."""
     blocks, num_cached = manager.get_computed_blocks(request)
     assert manager.allocate_slots(request, request.num_tokens - num_cached, blocks)
@@ -67,10 +85,10 @@ def test_uncached_blocks_are_reused_before_cached_ones():
 
 
 def test_request_tail_blocks_evicted_first():
-    manager = KVCacheManager(num_blocks=6, block_size=BS, enable_caching=True)
+    manager = make_manager(6, True)
     request = make_request("a", list(range(12)))  # three full blocks
     run_prefill(manager, request)
-    ids = manager.block_ids("a")
+    ids = table_ids(manager, "a")
     assert len(ids) == 3
     manager.free(request)
     assert manager.num_free_blocks == 6
@@ -88,52 +106,52 @@ def test_chain_hash_depends_on_parent_and_extra_keys():
 
 
 def test_prefix_hit_never_covers_whole_prompt():
-    manager = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=True)
+    manager = make_manager(10, True)
     run_prefill(manager, make_request("a", list(range(8))))
-    blocks, num_cached = manager.get_computed_blocks(make_request("b", list(range(8))))
+    blocks, num_cached = lookup(manager, make_request("b", list(range(8))))
     assert num_cached == 4 and len(blocks) == 1  # the last token must still be computed
-    blocks, num_cached = manager.get_computed_blocks(make_request("c", list(range(9))))
+    blocks, num_cached = lookup(manager, make_request("c", list(range(9))))
     assert num_cached == 8
-    blocks, num_cached = manager.get_computed_blocks(make_request("d", [0, 1, 2, 99, 4, 5, 6, 7, 8]))
+    blocks, num_cached = lookup(manager, make_request("d", [0, 1, 2, 99, 4, 5, 6, 7, 8]))
     assert num_cached == 0
 
 
 def test_prefix_hit_shares_blocks_and_counts_tokens():
-    manager = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=True)
+    manager = make_manager(10, True)
     first = make_request("a", list(range(10)))
     run_prefill(manager, first)
     assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (10, 0)
     second = make_request("b", list(range(9)) + [77])
-    blocks, num_cached = manager.get_computed_blocks(second)
+    blocks, num_cached = lookup(manager, second)
     assert num_cached == 8
-    assert manager.allocate_slots(second, second.num_tokens - num_cached, blocks)
-    assert manager.block_ids("b")[:2] == manager.block_ids("a")[:2]
-    assert manager.block_ids("b")[2] != manager.block_ids("a")[2]
+    assert manager.allocate_slots(second, second.num_tokens - num_cached, (blocks,))
+    assert table_ids(manager, "b")[:2] == table_ids(manager, "a")[:2]
+    assert table_ids(manager, "b")[2] != table_ids(manager, "a")[2]
     assert [b.ref_cnt for b in blocks] == [2, 2]
     assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (20, 8)
 
 
 def test_forced_hash_collision_is_not_a_hit(monkeypatch):
     monkeypatch.setattr(kv_cache, "hash_block_tokens", lambda *args, **kwargs: b"\x01" * 32)
-    manager = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=True)
+    manager = make_manager(10, True)
     run_prefill(manager, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     # Same hash for every block, different tokens: must be a miss.
-    assert manager.get_computed_blocks(make_request("b", [9, 9, 9, 9, 9, 9, 9, 9, 9])) == ([], 0)
+    assert lookup(manager, make_request("b", [9, 9, 9, 9, 9, 9, 9, 9, 9])) == ([], 0)
     # Same tokens still hit the block that owns the hash.
-    blocks, num_cached = manager.get_computed_blocks(make_request("c", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
-    assert num_cached == 4 and blocks[0].block_id == manager.block_ids("a")[0]
+    blocks, num_cached = lookup(manager, make_request("c", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert num_cached == 4 and blocks[0].block_id == table_ids(manager, "a")[0]
 
 
 def test_same_block_under_different_prefixes_is_cached_separately():
-    manager = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=True)
+    manager = make_manager(10, True)
     run_prefill(manager, make_request("a", [1, 1, 1, 1, 5, 6, 7, 8, 0]))
     run_prefill(manager, make_request("b", [2, 2, 2, 2, 5, 6, 7, 8, 0]))
-    blocks, num_cached = manager.get_computed_blocks(make_request("c", [2, 2, 2, 2, 5, 6, 7, 8, 9]))
-    assert num_cached == 8 and [b.block_id for b in blocks] == manager.block_ids("b")[:2]
+    blocks, num_cached = lookup(manager, make_request("c", [2, 2, 2, 2, 5, 6, 7, 8, 9]))
+    assert num_cached == 8 and [b.block_id for b in blocks] == table_ids(manager, "b")[:2]
 
 
 def test_generated_tokens_are_cached_too():
-    manager = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=True)
+    manager = make_manager(10, True)
     request = make_request("a", [1, 2, 3])
     run_prefill(manager, request)
     for token in (4, 5, 6):  # decode: append the sampled token, compute it next step
@@ -141,37 +159,37 @@ def test_generated_tokens_are_cached_too():
         assert manager.allocate_slots(request, 1)
         request.num_computed_tokens += 1
         manager.cache_blocks(request, request.num_computed_tokens)
-    blocks, num_cached = manager.get_computed_blocks(make_request("b", [1, 2, 3, 4, 5]))
-    assert num_cached == 4 and blocks[0].block_id == manager.block_ids("a")[0]
+    blocks, num_cached = lookup(manager, make_request("b", [1, 2, 3, 4, 5]))
+    assert num_cached == 4 and blocks[0].block_id == table_ids(manager, "a")[0]
 
 
 def test_prompt_logprobs_skips_lookup():
-    manager = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=True)
+    manager = make_manager(10, True)
     run_prefill(manager, make_request("a", list(range(9))))
-    assert manager.get_computed_blocks(make_request("b", list(range(9)), prompt_logprobs=1)) == ([], 0)
+    assert lookup(manager, make_request("b", list(range(9)), prompt_logprobs=1)) == ([], 0)
 
 
 def test_allocate_fails_atomically_when_short():
-    manager = KVCacheManager(num_blocks=3, block_size=BS, enable_caching=False)
+    manager = make_manager(3, False)
     request = make_request("a", list(range(13)))
     assert not manager.allocate_slots(request, 13)  # needs 4 blocks
-    assert manager.num_free_blocks == 3 and manager.block_ids("a") == []
+    assert manager.num_free_blocks == 3 and table_ids(manager, "a") == []
     assert manager.allocate_slots(request, 12)
     assert manager.num_free_blocks == 0 and manager.usage == pytest.approx(1.0)
 
 
 def test_caching_disabled_never_hits():
-    manager = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=False)
+    manager = make_manager(10, False)
     run_prefill(manager, make_request("a", list(range(9))))
-    assert manager.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    assert lookup(manager, make_request("b", list(range(9)))) == ([], 0)
     assert manager.prefix_cache_queries == 0
 
 
 def test_reset_prefix_cache_refused_while_in_use():
-    manager = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=True)
+    manager = make_manager(10, True)
     request = make_request("a", list(range(9)))
     run_prefill(manager, request)
     assert not manager.reset_prefix_cache()
     manager.free(request)
     assert manager.reset_prefix_cache()
-    assert manager.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    assert lookup(manager, make_request("b", list(range(9)))) == ([], 0)

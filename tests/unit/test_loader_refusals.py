@@ -66,12 +66,12 @@ def test_unsupported_dtype_names_tensor(tmp_path):
         SafetensorsWeights(str(tmp_path))
 
 
-def test_quantization_config_is_refused_by_key(tmp_path):
+def test_unsupported_quant_method_is_refused_by_name(tmp_path):
     from vllmpy.config import ModelConfig
     from vllmpy.loader.model_loader import open_checkpoint
 
-    _write_dir(tmp_path, {**LLAMA, "quantization_config": {"quant_method": "awq"}})
-    with pytest.raises(UnsupportedCheckpointError, match="quantization_config.*awq"):
+    _write_dir(tmp_path, {**LLAMA, "quantization_config": {"quant_method": "bitsandbytes"}})
+    with pytest.raises(UnsupportedCheckpointError, match="quant_method='bitsandbytes'.*gptq, awq"):
         open_checkpoint(ModelConfig(model=str(tmp_path)))
 
 

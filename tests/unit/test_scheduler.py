@@ -1,96 +1,28 @@
 """Scheduler: token budget, chunked prefill, policies, preemption, prefix hits, aborts.
 
-A fake runner keeps a simulated paged KV cache (one token id per slot) and, before sampling, reads the
-whole context back through the block table: a wrong block table, a shared block overwritten or an
-evicted block still in use shows up as a context mismatch.
+A fake runner (tests/kv_harness.py) keeps a simulated paged KV cache and reads the context back through
+the block table: a wrong block table, a shared block overwritten or an evicted block still in use shows
+up as a context mismatch.
 """
 import random
 
 import pytest
 
+from tests.kv_harness import FakeRunner, expected_outputs, kv_config, make_request, random_requests, step
 from vllmpy.config import CacheConfig, SchedulerConfig
-from vllmpy.engine.request import Request, RequestStatus
-from vllmpy.engine.schedule_types import ModelRunnerOutput, SchedulerOutput
+from vllmpy.engine.request import RequestStatus
+from vllmpy.engine.schedule_types import ModelRunnerOutput
 from vllmpy.engine.scheduler import Scheduler
-from vllmpy.sampling_params import SamplingParams
 
 BS = 4
-
-
-def next_token(context: list[int]) -> int:
-    """The fake model: a deterministic function of the whole context."""
-    return (sum(context) * 31 + len(context)) % 50 + 1
-
-
-class FakeRunner:
-    def __init__(self, block_size: int = BS) -> None:
-        self.block_size = block_size
-        self.slots: dict[tuple[int, int], int] = {}  # (block id, offset) -> token id written there
-        self.tokens: dict[str, list[int]] = {}  # what the runner believes each request's tokens are
-        self.num_computed: dict[str, int] = {}
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        for req_id in out.finished_req_ids | out.preempted_req_ids:
-            self.tokens.pop(req_id, None)
-            self.num_computed.pop(req_id, None)
-        new_ids = set()
-        for new in out.new_requests:
-            self.tokens[new.req_id] = new.prompt_token_ids + new.output_token_ids
-            new_ids.add(new.req_id)
-        sampled = []
-        for chunk in out.chunks:
-            tokens = self.tokens[chunk.req_id]
-            if chunk.req_id in new_ids:
-                self.num_computed[chunk.req_id] = chunk.start_pos  # prefix hit skips the start
-            assert chunk.start_pos == self.num_computed[chunk.req_id]
-            end = chunk.start_pos + len(chunk.token_ids)
-            assert chunk.token_ids == tokens[chunk.start_pos:end]
-            assert len(chunk.block_ids) * self.block_size >= end
-            for pos in range(chunk.start_pos, end):
-                self.slots[self.slot(chunk.block_ids, pos)] = tokens[pos]
-            self.num_computed[chunk.req_id] = end
-            assert chunk.sample == (end == len(tokens))
-            if chunk.sample:
-                context = [self.slots[self.slot(chunk.block_ids, p)] for p in range(end)]
-                assert context == tokens, f"{chunk.req_id}: KV read back differs from its tokens"
-                token = next_token(context)
-                tokens.append(token)
-                sampled.append([token])
-            else:
-                sampled.append([])
-        return ModelRunnerOutput(req_ids=[c.req_id for c in out.chunks], sampled_token_ids=sampled,
-                                 logprobs=[None] * len(out.chunks))
-
-    def slot(self, block_ids: list[int], pos: int) -> tuple[int, int]:
-        return block_ids[pos // self.block_size], pos % self.block_size
 
 
 def make_scheduler(num_blocks=64, max_model_len=64, policy="fcfs", max_num_seqs=8, budget=32,
                    caching=True, chunked=True) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                      scheduling_policy=policy, enable_chunked_prefill=chunked),
-                     CacheConfig(block_size=BS, enable_prefix_caching=caching), num_blocks, max_model_len)
-
-
-def make_request(req_id, tokens, max_tokens=4, arrival=None, priority=0, **params) -> Request:
-    return Request(req_id, tokens, SamplingParams(max_tokens=max_tokens, **params),
-                   arrival_time=arrival, priority=priority)
-
-
-def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Request]]:
-    """One engine step, with the engine's own max_tokens stop check."""
-    out = scheduler.schedule()
-    updated = scheduler.update_from_output(out, runner.execute(out))
-    done = [r.request_id for r in updated if not r.is_finished and r.num_output_tokens >= r.max_tokens]
-    scheduler.finish_requests(done, RequestStatus.FINISHED_LENGTH_CAPPED)
-    return out, updated
-
-
-def expected_outputs(prompt: list[int], n: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(n):
-        tokens.append(next_token(tokens))
-    return tokens[len(prompt):]
+                     CacheConfig(block_size=BS, enable_prefix_caching=caching), kv_config(num_blocks, BS),
+                     max_model_len)
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "lpm"])
@@ -99,14 +31,8 @@ def test_randomized_run_respects_budget_seqs_and_outputs(policy):
     budget, max_seqs, max_model_len = 24, 5, 48
     scheduler = make_scheduler(num_blocks=16, max_model_len=max_model_len, policy=policy,
                                max_num_seqs=max_seqs, budget=budget)
-    runner = FakeRunner()
-    prefixes = [[rng.randrange(1, 50) for _ in range(8)] for _ in range(3)]
-    pending = []
-    for i in range(40):
-        prompt = rng.choice(prefixes)[:rng.randrange(0, 9)] + [rng.randrange(1, 50)
-                                                               for _ in range(rng.randrange(1, 30))]
-        pending.append(make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 12), arrival=float(i),
-                                    priority=rng.randrange(3)))
+    runner = FakeRunner(BS)
+    pending = random_requests(rng, prefix_len=8, max_suffix=30, max_tokens=12)
     all_requests = list(pending)
     for _ in range(2000):
         if pending and rng.random() < 0.5:
@@ -135,7 +61,7 @@ def test_randomized_run_respects_budget_seqs_and_outputs(policy):
 
 def test_chunked_prefill_splits_long_prompt_while_decode_continues():
     scheduler = make_scheduler(budget=8, max_model_len=64)
-    runner = FakeRunner()
+    runner = FakeRunner(BS)
     scheduler.add_request(make_request("short", [1, 2, 3], max_tokens=20))
     out, _ = step(scheduler, runner)
     assert [(c.req_id, len(c.token_ids), c.sample) for c in out.chunks] == [("short", 3, True)]
@@ -160,7 +86,7 @@ def test_config_that_could_stall_is_refused():
 
 def test_chunked_prefill_off_waits_for_a_whole_prompt():
     scheduler = make_scheduler(budget=16, max_model_len=16, chunked=False)
-    runner = FakeRunner()
+    runner = FakeRunner(BS)
     scheduler.add_request(make_request("a", [1] * 10, max_tokens=3))
     scheduler.add_request(make_request("b", [2] * 10, max_tokens=3))
     out, _ = step(scheduler, runner)
@@ -171,7 +97,7 @@ def test_chunked_prefill_off_waits_for_a_whole_prompt():
 
 def test_priority_policy_admits_lowest_value_first_ties_by_arrival():
     scheduler = make_scheduler(policy="priority", max_num_seqs=1)
-    runner = FakeRunner()
+    runner = FakeRunner(BS)
     for req_id, priority, arrival in [("p3", 3, 0.0), ("p1-late", 1, 2.0), ("p1", 1, 1.0), ("p2", 2, 3.0)]:
         scheduler.add_request(make_request(req_id, [1, 2], max_tokens=1, arrival=arrival, priority=priority))
     order = []
@@ -185,7 +111,7 @@ def test_lpm_admits_longest_cached_prefix_first():
     shared = list(range(1, 13))  # three full blocks
     orders = {}
     for policy in ("fcfs", "lpm"):
-        scheduler, runner = make_scheduler(policy=policy, max_num_seqs=1), FakeRunner()
+        scheduler, runner = make_scheduler(policy=policy, max_num_seqs=1), FakeRunner(BS)
         scheduler.add_request(make_request("warm", shared + [99], max_tokens=1))
         step(scheduler, runner)
         scheduler.add_request(make_request("none", [40, 41, 42, 43, 44, 45], max_tokens=1, arrival=1.0))
@@ -202,7 +128,7 @@ def test_lpm_admits_longest_cached_prefix_first():
 def tight_pair(policy: str, priorities=(0, 0)) -> tuple[Scheduler, FakeRunner]:
     """Two 7-token prompts in a 4-block pool: both fit until the first needs its third block."""
     scheduler = make_scheduler(num_blocks=4, max_model_len=16, policy=policy)
-    runner = FakeRunner()
+    runner = FakeRunner(BS)
     scheduler.add_request(make_request("a", [1] * 7, max_tokens=5, arrival=0.0, priority=priorities[0]))
     scheduler.add_request(make_request("b", [2] * 7, max_tokens=5, arrival=1.0, priority=priorities[1]))
     step(scheduler, runner)  # both prefill: 2 blocks each
@@ -234,7 +160,7 @@ def test_no_admission_in_a_step_that_preempted():
 
 def test_victim_already_scheduled_this_step_loses_its_chunk_and_budget():
     scheduler = make_scheduler(num_blocks=5, max_model_len=16, policy="priority", budget=4)
-    runner = FakeRunner()
+    runner = FakeRunner(BS)
     scheduler.add_request(make_request("a", [1] * 3, max_tokens=10, arrival=0.0, priority=5))
     scheduler.add_request(make_request("b", [2] * 3, max_tokens=10, arrival=1.0, priority=0))
     step(scheduler, runner)
@@ -254,7 +180,7 @@ def test_max_num_seqs_caps_admission():
     scheduler = make_scheduler(max_num_seqs=2, budget=100)
     for i in range(5):
         scheduler.add_request(make_request(f"r{i}", [i + 1] * 3))
-    out, _ = step(scheduler, FakeRunner())
+    out, _ = step(scheduler, FakeRunner(BS))
     assert [c.req_id for c in out.chunks] == ["r0", "r1"] and len(scheduler.waiting) == 3
 
 
@@ -285,7 +211,7 @@ def test_preempted_request_resumes_with_its_outputs():
 
 def test_prefix_hit_skips_prefill_and_counts():
     scheduler = make_scheduler()
-    runner = FakeRunner()
+    runner = FakeRunner(BS)
     prompt = list(range(1, 11))
     scheduler.add_request(make_request("a", prompt, max_tokens=1))
     step(scheduler, runner)
@@ -301,7 +227,7 @@ def test_prefix_hit_skips_prefill_and_counts():
 
 def test_abort_frees_blocks_and_reports_ids():
     scheduler = make_scheduler(num_blocks=32)
-    runner = FakeRunner()
+    runner = FakeRunner(BS)
     for i in range(4):
         scheduler.add_request(make_request(f"r{i}", list(range(i * 20, i * 20 + 9)), max_tokens=10))
     step(scheduler, runner)
@@ -332,7 +258,7 @@ def test_max_model_len_refuses_long_prompt_and_caps_generation():
     scheduler = make_scheduler(max_model_len=8)
     with pytest.raises(ValueError, match="8 tokens.*max_model_len is 8"):
         scheduler.add_request(make_request("long", list(range(8))))
-    runner = FakeRunner()
+    runner = FakeRunner(BS)
     request = make_request("r", [1, 2, 3, 4, 5], max_tokens=100)
     scheduler.add_request(request)
     while scheduler.has_unfinished_requests():

@@ -1,5 +1,5 @@
-"""Tool-call parsers on recorded model outputs: the whole-text parse, and the same output streamed in two
-pieces cut at every character position and one character at a time, which must reassemble to it."""
+"""Tool-call parser behaviour beyond the format conformance suite (test_parser_conformance.py): forced
+calls, malformed sections, call ids, schema-typed XML values, the registry."""
 from __future__ import annotations
 
 import json
@@ -17,73 +17,6 @@ from vllmpy.entrypoints.openai.tool_parsers.forced import (
     named_schema,
     required_schema,
 )
-
-# (parser, model output, expected content, expected [(name, arguments)])
-RECORDED = [
-    # Qwen 2.5 / Qwen 3 / Hermes 2 Pro
-    ("hermes", ('<tool_call>\n{"name": "get_current_weather", "arguments": {"location": "San Francisco, CA", '
-               '"unit": "fahrenheit"}}\n</tool_call>'),
-     "", [("get_current_weather", {"location": "San Francisco, CA", "unit": "fahrenheit"})]),
-    ("hermes", ('I\'ll check both cities.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-               '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tōkyō", "note": '
-               '"braces } ] and \\"quotes\\" <tool_call> inside"}}\n</tool_call>'),
-     "I'll check both cities.",
-     [("get_weather", {"city": "Paris"}),
-      ("get_weather", {"city": "Tōkyō", "note": 'braces } ] and "quotes" <tool_call> inside'})]),
-    ("hermes", '<tool_call>\n{"arguments": {"query": "vllm", "top_k": 10}, "name": "search"}\n</tool_call>',
-     "", [("search", {"query": "vllm", "top_k": 10})]),
-    ("hermes", '<tool_call>\n{"name": "get_time"}\n</tool_call>', "", [("get_time", {})]),
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"n": -1.5e3, "ok": true, "x": null}}', "",
-     [("f", {"n": -1.5e3, "ok": True, "x": None})]),  # stopped before </tool_call>
-    ("hermes", "The capital of France is Paris. <b>Bold</b> and a < b < c.\n", ("The capital of France is Paris. "
-               "<b>Bold</b> and a < b < c.\n"), []),
-    ("hermes", "<tool_call>\nnot json at all\n</tool_call>", "<tool_call>\nnot json at all\n</tool_call>", []),
-    # Llama 3.1 / 3.2 JSON
-    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"location": "Paris, France"}}', "",
-     [("get_weather", {"location": "Paris, France"})]),
-    ("llama3_json", ('{"name": "get_weather", "parameters": {"location": "Paris"}}; {"name": "get_time", '
-                    '"parameters": {"timezone": "Europe/Paris"}}'), "",
-     [("get_weather", {"location": "Paris"}), ("get_time", {"timezone": "Europe/Paris"})]),
-    ("llama3_json", "Sure! The weather in Paris is {unknown} today.", "Sure! The weather in Paris is {unknown} today.",
-     []),
-    ("llama3_json", '{"answer": 42, "reason": "not a call"}', '{"answer": 42, "reason": "not a call"}', []),
-    # Mistral: pre-v11 JSON array, v11 name{args}, v13 name[ARGS]{args}
-    ("mistral", ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 3.5, "b": 4}}, {"name": "multiply", '
-                '"arguments": {"a": 2, "b": 7}}]'), "",
-     [("add", {"a": 3.5, "b": 4}), ("multiply", {"a": 2, "b": 7})]),
-    ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]get_time{"tz": "CET"}', "",
-     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
-    ("mistral", 'Let me look that up.[TOOL_CALLS]search[ARGS]{"query": "vLLM [ARGS] syntax"}',
-     "Let me look that up.", [("search", {"query": "vLLM [ARGS] syntax"})]),
-    ("mistral", "Bonjour ! [Note] il n'y a rien à appeler.", "Bonjour ! [Note] il n'y a rien à appeler.", []),
-    # Pythonic (Llama 3.2 / Llama 4)
-    ("pythonic", "[get_weather(city='San Francisco', metric='celsius'), get_time(timezone=\"America/Los_Angeles\")]",
-     "", [("get_weather", {"city": "San Francisco", "metric": "celsius"}),
-          ("get_time", {"timezone": "America/Los_Angeles"})]),
-    ("pythonic", ('<|python_start|>[search(query="a (nested) ]string[", limit=5, filters={"lang": ["en", "fr"]}, '
-                 'exact=True, offset=None)]<|python_end|>'), "",
-     [("search", {"query": "a (nested) ]string[", "limit": 5, "filters": {"lang": ["en", "fr"]}, "exact": True,
-                  "offset": None})]),
-    ("pythonic", "[get_time()]", "", [("get_time", {})]),
-    ("pythonic", "[1, 2, 3] are the first numbers.", "[1, 2, 3] are the first numbers.", []),
-    ("pythonic", 'The call would be [get_weather(city="x")].', 'The call would be [get_weather(city="x")].', []),
-    # Granite 3.0 (<|tool_call|>) and 3.1+ (<tool_call>)
-    ("granite", '<|tool_call|>[{"name": "get_current_weather", "arguments": {"city": "Boston"}}]', "",
-     [("get_current_weather", {"city": "Boston"})]),
-    ("granite", ' <tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": [1, {"y": "}"}]}}]',
-     "", [("a", {}), ("b", {"x": [1, {"y": "}"}]})]),
-    ("granite", "I cannot call a tool for that.", "I cannot call a tool for that.", []),
-    # DeepSeek V3
-    ("deepseek_v3", ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
-                    '{"location": "Tokyo"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'), "",
-     [("get_weather", {"location": "Tokyo"})]),
-    ("deepseek_v3", ("Checking both.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
-                    '```json\n{"location": "Tokyo"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function'
-                    '<｜tool▁sep｜>get_time\n```json\n{"tz": "Asia/Tokyo", "fmt": "```"}\n```<｜tool▁call▁end｜>'
-                    "<｜tool▁calls▁end｜>"), "Checking both.",
-     [("get_weather", {"location": "Tokyo"}), ("get_time", {"tz": "Asia/Tokyo", "fmt": "```"})]),
-    ("deepseek_v3", "No tools needed: 2 + 2 = 4.", "No tools needed: 2 + 2 = 4.", []),
-]
 
 FORCED = [
     (RequiredToolParser, '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"get_time","parameters":{}}]',
@@ -120,19 +53,16 @@ def _check(make_parser, text: str, content: str, expected: list) -> None:
     assert _stream(make_parser(), list(text)) == whole
 
 
-@pytest.mark.parametrize("name,text,content,expected", RECORDED)
-def test_recorded_outputs_whole_and_cut_everywhere(name, text, content, expected):
-    _check(TOOL_PARSERS.get(name), text, content, expected)
-
-
 @pytest.mark.parametrize("make_parser,text,content,expected", FORCED)
 def test_forced_outputs_whole_and_cut_everywhere(make_parser, text, content, expected):
     _check(make_parser, text, content, expected)
 
 
 def test_every_required_parser_is_registered():
-    assert {"hermes", "llama3_json", "mistral", "pythonic", "granite", "deepseek_v3"} <= set(TOOL_PARSERS.names())
-    with pytest.raises(ValueError, match="unknown tool call parser 'nope'; choose one of: deepseek_v3, granite"):
+    assert {"hermes", "llama3_json", "mistral", "pythonic", "granite", "deepseek_v3", "qwen3_coder", "llama4_pythonic",
+            "deepseek_v31", "kimi_k2", "glm45", "openai", "minimax_m2", "jamba", "internlm", "xlam", "phi4_mini_json",
+            "seed_oss", "gigachat3", "hunyuan_a13b", "step3"} <= set(TOOL_PARSERS.names())
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'; choose one of: deepseek_v3, deepseek_v31, "):
         TOOL_PARSERS.get("nope")
 
 
@@ -178,3 +108,59 @@ def test_forced_schemas():
     clash = {"type": "function", "function": {"name": "x", "parameters": {"$defs": {"City": {"type": "integer"}}}}}
     with pytest.raises(ValueError, match=r"\$defs.City"):
         required_schema([weather, clash], parallel=True)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "days": {"type": "integer"}, "metric": {"type": "boolean"}, "filter": {"type": "object"},
+    "ratio": {"type": ["number", "null"]}, "city": {"type": "string"}}}}}
+
+
+def _qwen3_coder_call(parameters: str, tools: list | None) -> dict:
+    text = f"<tool_call>\n<function=get_weather>\n{parameters}</function>\n</tool_call>"
+    delta = ToolCallStream(TOOL_PARSERS.get("qwen3_coder")(tools)).feed(text, final=True)
+    return json.loads(delta.tool_calls[0].arguments)
+
+
+def test_xml_values_follow_the_declared_types():
+    parameters = ("<parameter=days>\n3\n</parameter>\n<parameter=metric>\nFalse\n</parameter>\n"
+                  "<parameter=filter>\n{'tags': ['a'], 'ok': True}\n</parameter>\n<parameter=ratio>\nnull\n"
+                  "</parameter>\n<parameter=city>\n42\n</parameter>\n")
+    assert _qwen3_coder_call(parameters, [WEATHER]) == {
+        "days": 3, "metric": False, "filter": {"tags": ["a"], "ok": True}, "ratio": None, "city": "42"}
+    # Undeclared (no tools sent): every value stays the text the model wrote.
+    assert _qwen3_coder_call(parameters, None) == {
+        "days": "3", "metric": "False", "filter": "{'tags': ['a'], 'ok': True}", "ratio": "null", "city": "42"}
+    # A value that does not read as its type is kept as written rather than dropped.
+    assert _qwen3_coder_call("<parameter=days>\nthree\n</parameter>\n", [WEATHER]) == {"days": "three"}
+
+
+def test_glm45_reads_undeclared_values_as_json():
+    text = ("<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>note</arg_key>\n"
+            "<arg_value>not json</arg_value>\n</tool_call>")
+    delta = ToolCallStream(TOOL_PARSERS.get("glm45")()).feed(text, final=True)
+    assert json.loads(delta.tool_calls[0].arguments) == {"days": 3, "note": "not json"}
+
+
+def test_text_that_only_looks_like_an_xml_call_is_never_streamed_as_one():
+    for name, text in [("qwen3_coder", "Write <function=name> then <parameter=key>."),
+                       ("glm45", "The tag <tool_call>name\nopens a call.")]:
+        stream = ToolCallStream(TOOL_PARSERS.get(name)())
+        deltas = [stream.feed(ch) for ch in text] + [stream.feed("", final=True)]
+        assert not any(delta.tool_calls for delta in deltas), name
+        assert "".join(delta.content for delta in deltas) == text
+
+
+def test_model_written_call_ids_are_kept():
+    kimi = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+    delta = ToolCallStream(TOOL_PARSERS.get("kimi_k2")()).feed(kimi, final=True)
+    assert [(c.id, c.name) for c in delta.tool_calls] == [("functions.get_weather:0", "get_weather")]
+    mistral = '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}'
+    delta = ToolCallStream(TOOL_PARSERS.get("mistral")()).feed(mistral, final=True)
+    assert [(c.id, c.name) for c in delta.tool_calls] == [("a1B2c3D4e", "get_weather")]
+
+
+def test_formats_written_in_special_tokens_keep_them():
+    keeping = {name for name in TOOL_PARSERS.names() if TOOL_PARSERS.get(name).keeps_special_tokens}
+    assert {"openai", "kimi_k2", "mistral", "llama4_pythonic", "step3", "internlm", "gigachat3", "glm45"} <= keeping
+    assert not {"qwen3_coder", "xlam", "phi4_mini_json"} & keeping

@@ -1,7 +1,17 @@
 """AsyncLLM: the engine loop in one background thread, outputs fanned out to per-request asyncio queues.
 
 The thread owns the LLMEngine; callers only enqueue commands (add, abort), so no engine state is
-shared across threads. An exception inside a step fails the requests of that step, not the loop.
+shared across threads, and the thread never touches a caller's future: everything it tells a caller
+(an output, a refusal, a failure) goes into that caller's stream queue, so a caller that has gone away
+(a client disconnect cancels it) cannot break it.
+
+Failures are attributed to the requests they concern and fail only them: a refused request gets its
+ValueError, one whose command handling raised gets a RuntimeError naming it, and a request that fails
+inside a step finishes with finish_reason "error" and `error` naming it (see EngineCore.step for how a
+step's failure is attributed). Anything else that escapes the loop is a bug: the loop is dead, every
+waiting and new request fails at once with EngineDeadError naming the cause, and `errored` turns true
+so that the server answers 503 and exits for its supervisor to restart it (as vLLM does when its engine
+core dies).
 """
 from __future__ import annotations
 
@@ -9,7 +19,6 @@ import asyncio
 import logging
 import queue
 import threading
-from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -23,6 +32,27 @@ from vllmpy.sampling_params import SamplingParams
 logger = logging.getLogger("vllmpy")
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop has died: nothing can be served until the process is restarted."""
+
+
+@dataclass(frozen=True)
+class AddCommand:
+    """Queue a request (the engine validates it: a refusal comes back on the request's stream)."""
+
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams | PoolingParams
+    priority: int
+
+
+@dataclass(frozen=True)
+class AbortCommand:
+    """Forget a request and free its blocks; unknown or finished ids are ignored."""
+
+    request_id: str
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -33,21 +63,29 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.Queue[AddCommand | AbortCommand] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stopped = False
+        self._death: str | None = None  # what killed the loop, once it has died
         self._thread = threading.Thread(target=self._loop, name="vllmpy-engine", daemon=True)
         self._thread.start()
 
     @property
     def errored(self) -> bool:
-        return not self._thread.is_alive() and not self._stopped
+        return self._death is not None
 
-    def shutdown(self) -> None:
+    @property
+    def death(self) -> str | None:
+        """Why the engine loop died (None while it runs)."""
+        return self._death
+
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Stop the loop after its current step; False if that step is still running after `timeout` s."""
         self._stopped = True
         self._wake.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)
+        return not self._thread.is_alive()
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | PoolingParams,
                        request_id: str | None = None, priority: int = 0,
@@ -55,27 +93,29 @@ class AsyncLLM:
         """Yield outputs until finished: cumulative, or only what is new since the last yield (delta).
 
         Leaving the iteration early (a client disconnect cancels it) aborts the request and frees its
-        KV blocks.
+        KV blocks, even while its add is still queued: the abort is queued behind it.
         """
         request_id = request_id or f"req-{self.engine.new_request_id()}"
         stream = _Stream(asyncio.get_running_loop())
-        self._streams[request_id] = stream
-        added: Future = Future()
-        self._send(("add", request_id, prompt, sampling_params, priority, added))
+        self._streams[request_id] = stream  # before the check: a loop dying now still sees this stream
+        finished = False
         try:
-            await asyncio.wrap_future(added)  # raises the engine's ValueError for a bad request
+            if self._death is not None:
+                raise EngineDeadError(self._death)
+            self._send(AddCommand(request_id, prompt, sampling_params, priority))
             sent: dict[int, tuple[int, int]] = {}
             while True:
                 output = await stream.queue.get()
                 if isinstance(output, BaseException):
-                    raise output
+                    raise output  # the engine's ValueError for a bad request, or a failure naming it
+                finished = output.finished
                 yield _delta(output, sent) if delta else output
-                if output.finished:
+                if finished:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not added.done() or added.exception() is None:
-                self._send(("abort", request_id))
+            if not finished:  # a no-op for a request the engine refused or already forgot
+                self._send(AbortCommand(request_id))
 
     async def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str | None = None,
                      priority: int = 0) -> EmbeddingRequestOutput:
@@ -84,19 +124,23 @@ class AsyncLLM:
             return await anext(outputs)
 
     async def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(AbortCommand(request_id))
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: AddCommand | AbortCommand) -> None:
         self._commands.put(command)
         self._wake.set()
 
-    def _publish(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _publish(self, request_id: str, item: RequestOutput | EmbeddingRequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:
+        if stream is None:
+            return
+        try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+            pass
 
     def _drain_commands(self) -> None:
         while True:
@@ -104,37 +148,41 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                _, request_id, prompt, params, priority, added = command
-                try:
-                    self.engine.add_request(request_id, prompt, params, priority=priority)
-                    added.set_result(None)
-                except (ValueError, TypeError) as exc:
-                    added.set_exception(exc)
-            else:
-                self.engine.abort_request([command[1]])
+            try:
+                self._handle(command)
+            except (ValueError, TypeError) as exc:  # refused: the client's to fix
+                self._publish(command.request_id, exc)
+            except Exception as exc:
+                logger.exception("%s of request %s failed", type(command).__name__, command.request_id)
+                self._publish(command.request_id, RuntimeError(
+                    f"request {command.request_id} failed inside the engine: {type(exc).__name__}: {exc}"))
+                self.engine.abort_request([command.request_id])  # whatever part of it got in
+
+    def _handle(self, command: AddCommand | AbortCommand) -> None:
+        if isinstance(command, AddCommand):
+            self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority)
+        else:
+            self.engine.abort_request([command.request_id])
 
     def _loop(self) -> None:
-        while not self._stopped:
-            self._drain_commands()
-            if not self.engine.has_unfinished_requests():
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a failing step fails its requests, the engine keeps serving
-                logger.exception("engine step failed")
-                self._fail_all(exc)
-                continue
-            for output in outputs:
-                self._publish(output.request_id, output)
+        try:
+            while not self._stopped:
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                for output in self.engine.step():
+                    self._publish(output.request_id, output)
+        except BaseException as exc:  # a failure no request could be blamed for: the engine is unusable
+            logger.critical("the engine loop died", exc_info=exc)
+            self._die(f"the engine loop died: {type(exc).__name__}: {exc}")
 
-    def _fail_all(self, exc: Exception) -> None:
-        ids = self.engine.unfinished_request_ids()
-        self.engine.abort_request(ids)
-        for request_id in ids:
-            self._publish(request_id, RuntimeError(f"request {request_id} failed inside the engine: {exc}"))
+    def _die(self, cause: str) -> None:
+        """Fail every waiting request with `cause`; `generate` refuses new ones with it from now on."""
+        self._death = cause
+        for request_id in list(self._streams):
+            self._publish(request_id, EngineDeadError(cause))
 
 
 def _delta(output: RequestOutput, sent: dict[int, tuple[int, int]]) -> RequestOutput:

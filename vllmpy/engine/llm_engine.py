@@ -1,4 +1,8 @@
-"""LLMEngine: prompts in, RequestOutputs out, one synchronous step at a time (LLM and AsyncLLM use it)."""
+"""LLMEngine: prompts in, RequestOutputs out, one synchronous step at a time (LLM and AsyncLLM use it).
+
+A request that fails inside a step (its forward, its stop check, its output processing) comes back
+finished with finish_reason "error" and `error` naming it; the step's other requests go on.
+"""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +11,8 @@ from typing import Union
 
 from vllmpy.config import EngineConfig
 from vllmpy.engine.core import EngineCore
-from vllmpy.engine.output_processor import OutputProcessor
+from vllmpy.engine.fault_injection import FaultInjector
+from vllmpy.engine.output_processor import OutputProcessor, named_error
 from vllmpy.engine.request import Request, RequestStatus
 from vllmpy.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from vllmpy.pooling_params import PoolingParams
@@ -36,7 +41,7 @@ class LLMEngine:
         self.config = config
         self.core = EngineCore(config)
         self.tokenizer = self.core.tokenizer
-        self.processor = OutputProcessor(self.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer, FaultInjector.from_env())
         self._ids = itertools.count()
         self._pooling: set[str] = set()  # unfinished pooling requests (they have no OutputProcessor state)
         self.prompt_tokens_total = 0
@@ -98,9 +103,6 @@ class LLMEngine:
             # A pooling request is its own core request; a generation fans out into children.
             self.core.abort_requests(self.processor.abort(request_id) or [request_id])
 
-    def unfinished_request_ids(self) -> list[str]:
-        return [*self.processor.parents, *self._pooling]
-
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
@@ -108,9 +110,9 @@ class LLMEngine:
         updated, runner_output, _ = self.core.step()
         if runner_output is not None:
             self.generation_tokens_total += sum(len(t) for t in runner_output.sampled_token_ids)
-        parents, stop_hits = self.processor.process(updated, runner_output)
-        if stop_hits:
-            self.core.finish_requests(stop_hits, RequestStatus.FINISHED_STOPPED)
+        parents, failed = self.processor.process(updated, runner_output)
+        if failed:
+            self.core.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         outputs: list[RequestOutput | EmbeddingRequestOutput] = []
         for parent in parents:
             outputs.append(self.processor.make_output(parent))
@@ -122,7 +124,8 @@ class LLMEngine:
                 self._pooling.remove(request.request_id)
                 outputs.append(EmbeddingRequestOutput(
                     request.request_id, EmbeddingOutput(pooled.get(request.request_id, [])),
-                    request.prompt_token_ids, error=request.error))
+                    request.prompt_token_ids,
+                    error=None if request.error is None else named_error(request.request_id, request.error)))
         return outputs
 
     def stats(self) -> EngineStats:

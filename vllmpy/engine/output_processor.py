@@ -1,13 +1,24 @@
-"""Turns engine-core updates into RequestOutputs: detokenization, stop strings, logprobs, n > 1."""
+"""Turns engine-core updates into RequestOutputs: text, logprobs, n > 1.
+
+The text is the core's: its stop pass (engine/stop.py) detokenizes each new token to match stop strings,
+so each request carries its detokenizer and the cut a stop string made; nothing here stops a request.
+
+Each request is processed under its own guard: an exception fails that user request (all its sequences,
+since its response is an error anyway) and the others of the step go on.
+"""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
+from vllmpy.engine.fault_injection import FaultInjector
 from vllmpy.engine.request import Request
 from vllmpy.engine.schedule_types import ModelRunnerOutput, SampledLogprobs
 from vllmpy.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from vllmpy.tokenizer import IncrementalDetokenizer, Tokenizer
+from vllmpy.tokenizer import Tokenizer
+
+logger = logging.getLogger("vllmpy")
 
 
 @dataclass
@@ -16,10 +27,10 @@ class SequenceState:
 
     request: Request
     index: int
-    detokenizer: IncrementalDetokenizer
     logprobs: list[PositionLogprobs] | None
     cumulative_logprob: float | None
     text: str = ""
+    num_tokens: int = 0  # output tokens folded in so far
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
@@ -41,8 +52,9 @@ class ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, faults: FaultInjector | None = None) -> None:
         self.tokenizer = tokenizer
+        self.faults = faults  # test-only (engine/fault_injection.py); None in production
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[ParentState, SequenceState]] = {}
         self._token_text: dict[int, str] = {}
@@ -52,8 +64,6 @@ class OutputProcessor:
         sequences = [
             SequenceState(
                 request=child, index=i,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids,
-                                                   skip_special_tokens=params.skip_special_tokens),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None)
             for i, child in enumerate(children)]
@@ -81,11 +91,13 @@ class OutputProcessor:
                 result[tid] = Logprob(lp, rank, self.decoded(tid))
         return result
 
-    def process(self, updated: list[Request], runner_output: ModelRunnerOutput | None) -> tuple[list[ParentState], list[str]]:
-        """Fold this step's updates in; returns the touched parents and child ids that hit a stop string."""
+    def process(self, updated: list[Request],
+                runner_output: ModelRunnerOutput | None) -> tuple[list[ParentState], list[str]]:
+        """Fold this step's updates in; returns the touched parents and the child ids whose parent failed
+        here (the core must finish them)."""
         now = time.time()
         touched: dict[str, ParentState] = {}
-        stop_hits: list[str] = []
+        failed: list[str] = []
         index = {rid: i for i, rid in enumerate(runner_output.req_ids)} if runner_output else {}
         for request in updated:
             pair = self.child_to_parent.get(request.request_id)
@@ -93,23 +105,43 @@ class OutputProcessor:
                 continue
             parent, seq = pair
             touched[parent.request_id] = parent
-            row = index.get(request.request_id)
-            if runner_output is not None and parent.prompt_logprobs is not None and seq.index == 0:
-                self._add_prompt_logprobs(parent, runner_output.prompt_logprobs.get(request.request_id))
-            if row is not None and runner_output.sampled_token_ids[row]:
-                parent.metrics.first_token_time = parent.metrics.first_token_time or now
-                parent.metrics.last_token_time = now
-                parent.metrics.num_generation_tokens += len(runner_output.sampled_token_ids[row])
-                self._add_token(seq, runner_output.sampled_token_ids[row], runner_output.logprobs[row])
-                if seq.finish_reason is None and self._check_stop_strings(seq):
-                    stop_hits.append(request.request_id)
-            if request.is_finished and seq.finish_reason is None:
-                seq.finish_reason = request.status.finish_reason
-                seq.stop_reason = request.stop_reason
-                seq.error = request.error
+            try:
+                self._update(parent, seq, request, runner_output, index.get(request.request_id), now)
+            except Exception as exc:
+                logger.exception("processing the output of request %s failed", request.request_id)
+                failed += self.fail(parent, f"output processing raised {type(exc).__name__}: {exc}")
             if parent.finished:
                 parent.metrics.finished_time = now
-        return list(touched.values()), stop_hits
+        return list(touched.values()), failed
+
+    def _update(self, parent: ParentState, seq: SequenceState, request: Request,
+                runner_output: ModelRunnerOutput | None, row: int | None, now: float) -> None:
+        """One child's new tokens (those the stop pass kept), logprobs and finish."""
+        if self.faults is not None:
+            self.faults.check(request.request_id, request.prompt_token_ids)
+        if runner_output is not None and parent.prompt_logprobs is not None and seq.index == 0:
+            self._add_prompt_logprobs(parent, runner_output.prompt_logprobs.get(request.request_id))
+        new = request.num_output_tokens - seq.num_tokens
+        if new > 0:
+            parent.metrics.first_token_time = parent.metrics.first_token_time or now
+            parent.metrics.last_token_time = now
+            parent.metrics.num_generation_tokens += new
+            seq.num_tokens = request.num_output_tokens
+            self._add_text(seq)
+            if row is not None:
+                self._add_logprobs(seq, runner_output.logprobs[row])
+        if request.is_finished and seq.finish_reason is None:
+            seq.finish_reason = request.status.finish_reason
+            seq.stop_reason = request.stop_reason
+            seq.error = None if request.error is None else named_error(parent.request_id, request.error)
+
+    def fail(self, parent: ParentState, message: str) -> list[str]:
+        """Finish every unfinished sequence of `parent` with `message`; returns their child ids."""
+        failed = [s for s in parent.sequences if s.finish_reason is None]
+        for seq in failed:
+            seq.finish_reason, seq.stop_reason = "error", None
+            seq.error = named_error(parent.request_id, message)
+        return [s.request.request_id for s in failed]
 
     def _add_prompt_logprobs(self, parent: ParentState, entries: list[SampledLogprobs | None] | None) -> None:
         if not entries:
@@ -118,25 +150,16 @@ class OutputProcessor:
             parent.prompt_logprobs = []
         parent.prompt_logprobs.extend(None if e is None else self._position(e) for e in entries)
 
-    def _add_token(self, seq: SequenceState, token_ids: list[int], logprobs: SampledLogprobs | None) -> None:
-        seq.detokenizer.add_tokens(token_ids)
-        seq.text = seq.detokenizer.output_text
+    @staticmethod
+    def _add_text(seq: SequenceState) -> None:
+        request = seq.request
+        text = request.detokenizer.output_text if request.detokenizer is not None else ""
+        seq.text = text if request.output_text_len is None else text[:request.output_text_len]
+
+    def _add_logprobs(self, seq: SequenceState, logprobs: SampledLogprobs | None) -> None:
         if seq.logprobs is not None and logprobs is not None:
             seq.logprobs.append(self._position(logprobs))
             seq.cumulative_logprob += logprobs.logprobs[0]
-
-    def _check_stop_strings(self, seq: SequenceState) -> bool:
-        params = seq.request.sampling_params
-        if not params.stop:
-            return False
-        text = seq.detokenizer.output_text
-        for stop in params.stop:
-            at = text.find(stop)
-            if at != -1:
-                seq.text = text[:at + len(stop)] if params.include_stop_str_in_output else text[:at]
-                seq.finish_reason, seq.stop_reason = "stop", stop
-                return True
-        return False
 
     def visible_text(self, seq: SequenceState) -> str:
         """Hold back a tail that could still grow into a stop string (never shown, then retracted)."""
@@ -172,3 +195,8 @@ class OutputProcessor:
             return []
         self.remove(parent)
         return [s.request.request_id for s in parent.sequences]
+
+
+def named_error(request_id: str, message: str) -> str:
+    """An engine failure as its client sees it: which request, and what went wrong."""
+    return f"request {request_id}: {message}"

@@ -6,6 +6,7 @@ import time
 
 from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
+from vllmpy.tokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.IntEnum):
@@ -36,10 +37,17 @@ _FINISH_REASONS = {
 }
 
 
+class RequestKind(enum.Enum):
+    """What the engine does with a request: sample tokens after its prompt, or pool the prompt's hidden
+    states (it finishes after the step that computes its last prompt token)."""
+
+    GENERATE = "generate"
+    POOL = "pool"
+
+
 class Request:
     """One sequence being generated (n > 1 is fanned out into n Requests above the engine), or one prompt
-    being pooled: then `sampling_params` is None and `pooling_params` is set; it finishes after the step
-    that computes its last prompt token."""
+    being pooled (`kind` POOL: `sampling_params` is None and `pooling_params` is set)."""
 
     def __init__(
         self,
@@ -56,12 +64,16 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
+        self.kind = RequestKind.POOL if pooling_params is not None else RequestKind.GENERATE
+        if (sampling_params is None) == (self.kind is RequestKind.GENERATE):
+            raise ValueError(f"request {request_id!r}: give sampling_params to generate or pooling_params "
+                             f"to pool, exactly one of them")
         self.eos_token_ids = set(eos_token_ids or ())
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         # Resolved output budget (sampling_params.max_tokens or what max_model_len leaves).
         if max_tokens is None:
-            max_tokens = sampling_params.max_tokens if sampling_params is not None else 0
+            max_tokens = sampling_params.max_tokens if self.kind is RequestKind.GENERATE else 0
         self.max_tokens = max_tokens
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -71,6 +83,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # The generated text so far, advanced by the core's stop pass (stop strings are matched on it);
+        # None for a pooling request or one the core has not admitted yet.
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.output_text_len: int | None = None  # a stop string's cut: the visible text ends here
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +103,10 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.kind is RequestKind.POOL
 
     @property
     def is_finished(self) -> bool:

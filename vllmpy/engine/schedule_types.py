@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllmpy.engine.request import RequestKind
 from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
 
@@ -16,6 +17,7 @@ class NewRequestData:
     output_token_ids: list[int]
     sampling_params: SamplingParams | None  # None for a pooling request
     pooling_params: PoolingParams | None = None
+    kind: RequestKind = RequestKind.GENERATE
 
 
 @dataclass
@@ -25,7 +27,7 @@ class ScheduledChunk:
     req_id: str
     token_ids: list[int]  # tokens fed to the model this step
     start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
-    block_ids: list[int]  # the request's whole block table
+    block_ids: tuple[list[int], ...]  # the request's whole block table in each KV cache group
     sample: bool  # chunk ends at the request's last known token: sample the next one (or pool the prompt)
 
 

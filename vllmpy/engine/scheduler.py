@@ -11,9 +11,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vllmpy.config import CacheConfig, SchedulerConfig
-from vllmpy.engine.kv_cache import KVCacheManager
+from vllmpy.engine.kv_cache_coordinator import KVCacheCoordinator
+from vllmpy.engine.kv_cache_spec import KVCacheConfig
 from vllmpy.engine.request import Request, RequestStatus
 from vllmpy.engine.schedule_types import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
+from vllmpy.engine.stop import apply_new_tokens
 
 # Above this many waiting requests lpm falls back to fcfs for the step, bounding the lookup cost
 # (SGLang does the same).
@@ -37,14 +39,16 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Owns the request queues and the KV manager. Per step: schedule() -> runner -> update_from_output()."""
+    """Owns the request queues and the KV cache coordinator. Per step: schedule() -> runner ->
+    update_from_output()."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_cache_config: KVCacheConfig,
                  max_model_len: int) -> None:
-        if num_blocks * cache_config.block_size < max_model_len:
+        needed = kv_cache_config.layout.blocks_per_request(max_model_len, scheduler_config.max_num_batched_tokens)
+        if kv_cache_config.num_blocks < needed:
             # A lone request could then outgrow the pool and stall forever (memory.py refuses it first).
-            raise ValueError(f"KV pool of {num_blocks} blocks x {cache_config.block_size} tokens cannot "
-                             f"hold one sequence of max_model_len {max_model_len}")
+            raise ValueError(f"KV pool of {kv_cache_config.num_blocks} blocks x {kv_cache_config.block_size} "
+                             f"tokens cannot hold one sequence of max_model_len {max_model_len} ({needed} blocks)")
         if not scheduler_config.enable_chunked_prefill and \
                 scheduler_config.max_num_batched_tokens < max_model_len:
             raise ValueError(
@@ -54,7 +58,7 @@ class Scheduler:
                 f"enable chunked prefill")
         self.config = scheduler_config
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheCoordinator(kv_cache_config, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # waiting + running
         self.waiting: deque[Request] = deque()  # arrival order; resumed (preempted) requests in front
         self.running: list[Request] = []
@@ -67,7 +71,7 @@ class Scheduler:
         if request.num_prompt_tokens == 0:
             raise ValueError("the prompt must contain at least one token")
         # A pooled prompt may fill the context; a generated one must leave room for one token.
-        room = 0 if request.pooling_params is not None else 1
+        room = 0 if request.is_pooling else 1
         if request.num_prompt_tokens + room > self.max_model_len:
             raise ValueError(f"the prompt is {request.num_prompt_tokens} tokens long, but max_model_len "
                              f"is {self.max_model_len}: the prompt must be shorter"
@@ -147,7 +151,8 @@ class Scheduler:
                     req_id=request.request_id,
                     prompt_token_ids=list(request.prompt_token_ids),
                     output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params, pooling_params=request.pooling_params))
+                    sampling_params=request.sampling_params, pooling_params=request.pooling_params,
+                    kind=request.kind))
                 chunks[request.request_id] = self._make_chunk(request, num_new)
                 budget -= num_new
 
@@ -157,10 +162,8 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[Request]:
-        """Append sampled tokens and publish newly full blocks; return the requests that changed.
-
-        Failed requests come back finished with FINISHED_ERROR; a request that reaches max_model_len
-        comes back FINISHED_LENGTH_CAPPED (no position is left to compute its next token).
+        """Append sampled tokens through the stop pass (engine/stop.py) and publish newly full blocks;
+        return the requests that changed, finished where the runner failed them or a token stopped them.
         """
         updated: list[Request] = []
         for req_id, message in runner_output.errors.items():
@@ -180,10 +183,10 @@ class Scheduler:
             new_tokens = sampled.get(chunk.req_id)
             if not new_tokens:
                 continue
-            for token_id in new_tokens:
-                request.append_output_token(token_id)
-            if request.num_tokens >= self.max_model_len:
-                self.finish_requests(chunk.req_id, RequestStatus.FINISHED_LENGTH_CAPPED)
+            status = apply_new_tokens(request, new_tokens, self.max_model_len,
+                                      chunk.req_id in runner_output.grammar_terminated)
+            if status is not None:
+                self.finish_requests(chunk.req_id, status)
             updated.append(request)
         return updated
 

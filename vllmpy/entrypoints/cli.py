@@ -36,9 +36,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         llm = LLM(engine_config=engine_config_from_args(args))
-        if llm.engine.core.task == "embed":
-            raise ValueError("the model is an embedding model (task embed) and vllm-cli generates text; "
-                             "use LLM.embed() or vllm-server's /v1/embeddings")
+        task = llm.engine.core.task
+        if task != "generate":
+            kind = "an embedding" if task == "embed" else "a classification"
+            raise ValueError(f"the model is {kind} model (task {task}) and vllm-cli generates text; use "
+                             f"LLM.embed() / .classify() / .score() or vllm-server's /v1/embeddings, /classify, /score")
         overrides = {k: v for k, v in {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                                         "min_p": args.min_p, "seed": args.seed}.items() if v is not None}
         params = llm.get_default_sampling_params().clone(

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
-from vllmpy.config import DEVICES, DTYPES, SCHEDULING_POLICIES, TASKS, EngineConfig, engine_arg_names
+from vllmpy.config import DEVICES, DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, TASKS, EngineConfig, engine_arg_names
+from vllmpy.structured_output.config import StructuredOutputsConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -17,17 +19,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="compute dtype; auto = float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICES)} (or cuda:N)")
     g.add_argument("--task", default="auto", choices=TASKS,
-                   help="generate text or embed (pool hidden states); auto = the architecture's own "
-                        "(BertModel, LlamaModel, Qwen3Model embed; *ForCausalLM generate)")
+                   help="generate text, embed or classify (pool hidden states); auto = the architecture's "
+                        "own (BertModel, LlamaModel, Qwen3Model embed; *ForSequenceClassification classify; "
+                        "*ForCausalLM generate)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs / prompt_logprobs a request may ask for per position; -1 = the whole "
+                        "vocabulary (a request asking for -1 is refused unless this is -1)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per layer (overrides sizing)")
     g.add_argument("--kv-cache-memory", type=int, default=None, help="byte budget for the whole KV pool")
+    g.add_argument("--kv-cache-dtype", default="auto", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+                   help="KV cache storage: auto = the checkpoint's declared kv_cache_quant_algo, else the model "
+                        "dtype; fp8 (= fp8_e4m3) / fp8_e5m2: 1 byte per value over the checkpoint's "
+                        "k_scale/v_scale (else 1.0); int8: 1 byte per value and an fp16 scale per 32")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="automatic prefix caching")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
+    g.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help='vLLM\'s structured-output defaults as JSON, e.g. \'{"disable_additional_properties": '
+                        'true}\' (every JSON schema strict); keys: '
+                        + ", ".join(f.name for f in fields(StructuredOutputsConfig)))
     g.add_argument("--seed", type=int, default=None,
                    help="engine random seed (vllm-cli also uses it as the request's sampling seed)")
 

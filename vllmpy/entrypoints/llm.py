@@ -1,14 +1,26 @@
-"""The offline API: `LLM(model=None, **engine_args).generate(...)` / `.chat(...)` / `.embed(...)`, as vLLM's."""
+"""The offline API: `LLM(model=None, **engine_args).generate(...)` / `.chat(...)` / `.embed(...)` /
+`.classify(...)` / `.score(...)` / `.encode(...)`, as vLLM's."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Sequence
 
+import torch
 from tqdm import tqdm
 
 from vllmpy.config import EngineConfig
 from vllmpy.engine.llm_engine import LLMEngine, PromptType
-from vllmpy.outputs import EmbeddingRequestOutput, RequestOutput
+from vllmpy.entrypoints.score_utils import PairScorer, as_texts, check_scoring_task, pair_up
+from vllmpy.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
 from vllmpy.tokenizer import Tokenizer
@@ -42,15 +54,41 @@ class LLM:
 
         `truncate_prompt_tokens` overrides the pooling params' own (keep the last N tokens; -1 =
         max_model_len)."""
-        if pooling_params is None:
-            pooling_params = PoolingParams()
-        if truncate_prompt_tokens is not None:
-            if isinstance(pooling_params, PoolingParams):
-                pooling_params = dataclasses.replace(pooling_params, truncate_prompt_tokens=truncate_prompt_tokens)
-            else:
-                pooling_params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
-                                  for p in pooling_params]
-        return self._submit(prompts, pooling_params, "pooling_params", use_tqdm, priority)
+        params = _with(pooling_params, truncate_prompt_tokens, "embed")
+        return self._submit(prompts, params, "pooling_params", use_tqdm, priority)
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 priority: list[int] | None = None) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (needs a *ForSequenceClassification model)."""
+        params = _with(pooling_params, truncate_prompt_tokens, "classify")
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.outputs.embedding),
+                                            o.prompt_token_ids)
+                for o in _succeeded(self._submit(prompts, params, "pooling_params", use_tqdm, priority))]
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, priority: list[int] | None = None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """The pooler's raw output as a tensor: the embedding, or a classifier's activated logits."""
+        params = _with(pooling_params, truncate_prompt_tokens, pooling_task or self.engine.core.task)
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(o.outputs.embedding)),
+                                     o.prompt_token_ids)
+                for o in _succeeded(self._submit(prompts, params, "pooling_params", use_tqdm, priority))]
+
+    def score(self, data_1: str | list[str], data_2: str | list[str], /, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """One score per pair (one data_1 against every data_2, or pairwise): a cross-encoder's relevance,
+        or for an embedding model the cosine similarity of the two embeddings, as vLLM."""
+        core = self.engine.core
+        check_scoring_task(core.task)
+        params = dataclasses.replace(pooling_params or PoolingParams(), truncate_prompt_tokens=truncate_prompt_tokens)
+        scorer = PairScorer(core.task, self.get_tokenizer(), pair_up(as_texts(data_1), as_texts(data_2)), params)
+        prompts = [prompt for prompt, _ in scorer.requests]
+        outputs = _succeeded(self._submit(prompts, [p for _, p in scorer.requests], "pooling_params", use_tqdm, None))
+        return [ScoringRequestOutput(str(i), ScoringOutput(score), token_ids)
+                for i, (score, token_ids) in enumerate(scorer.scores(outputs))]
 
     def _submit(self, prompts: PromptType | Sequence[PromptType],
                 params: SamplingParams | PoolingParams | Sequence[SamplingParams | PoolingParams], params_name: str,
@@ -96,3 +134,21 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[i] for i in request_ids]
+
+
+def _with(params: PoolingParams | Sequence[PoolingParams] | None, truncate_prompt_tokens: int | None,
+          task: str) -> PoolingParams | list[PoolingParams]:
+    """The pooling params (default ones when None) for `task`, with `truncate_prompt_tokens` when given."""
+    changes = {"task": task} if truncate_prompt_tokens is None else {
+        "task": task, "truncate_prompt_tokens": truncate_prompt_tokens}
+    if params is None or isinstance(params, PoolingParams):
+        return dataclasses.replace(params or PoolingParams(), **changes)
+    return [dataclasses.replace(p, **changes) for p in params]
+
+
+def _succeeded(outputs: list[EmbeddingRequestOutput]) -> list[EmbeddingRequestOutput]:
+    """A prompt the engine failed raises here: a class or score list must not hold a silent gap."""
+    failed = next((o for o in outputs if o.error is not None), None)
+    if failed is not None:
+        raise RuntimeError(f"pooling failed inside the engine: {failed.error}")
+    return outputs

@@ -105,8 +105,8 @@ def _bind_blocks(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _bind_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.vq_paged_decode.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _INT, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
-                                    _I64, _FLOAT, _FLOAT, _I64, _PTR, _I64, _INT]
+    lib.vq_paged_decode.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _INT, _FLOAT, _FLOAT, _PTR, _PTR, _PTR, _I64, _PTR,
+                                    _I64, _I64, _I64, _I64, _I64, _FLOAT, _FLOAT, _I64, _PTR, _I64, _INT]
     lib.vq_paged_decode.restype = _INT
     return lib
 

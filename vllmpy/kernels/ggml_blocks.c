@@ -203,6 +203,70 @@ static inline void dec_iq4_xs(const uint8_t *b, float *y) {
     }
 }
 
+/* Blocks repacked at load from safetensors quantization formats (GPTQ, AWQ, compressed-tensors, fp8;
+ * vllmpy/loader/quantization/blocks.py writes them). Type ids 200+ are ours, never GGML's. Each decodes
+ * with the one float32 product the format's reference dequantization takes, scale * (q - zero) or
+ * e4m3(q) * scale, so the values are bit-identical to it. Q4_1's d * q + m cannot stand in for the integer
+ * zero: m = -d * zero needs more bits than its fp16 has. The scale is fp16 where the checkpoint's scales
+ * are fp16-exact (GPTQ / AWQ always), else float32 (the ...F types). */
+static inline float rd_f(const uint8_t *p) {
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+}
+
+/* 32 values d * (q - z) from 4-bit codes laid out as Q4_0's (low nibbles values 0-15, high 16-31). */
+static inline void dec_zero4(float d, int z, const uint8_t *qs, float *y) {
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)((int)(qs[j] & 0xF) - z);
+        y[j + 16] = d * (float)((int)(qs[j] >> 4) - z);
+    }
+}
+
+/* 32 values d * (q - z) from int8 codes. */
+static inline void dec_zero8(float d, int z, const int8_t *qs, float *y) {
+    for (int j = 0; j < 32; j++) y[j] = d * (float)((int)qs[j] - z);
+}
+
+static inline int rd_i16(const uint8_t *p) {
+    int16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* Q4Z (200): d (f16), zero (u8: up to 16, GPTQ v1's stored 15 + 1), qs[16]. 19 bytes. */
+static inline void dec_q4z(const uint8_t *b, float *y) { dec_zero4(rd_h(b), b[2], b + 3, y); }
+/* Q8Z (201): d (f16), zero (i16: GPTQ v1's stored zero + 1 reaches 128 after the -128 shift), qs[32] (i8). */
+static inline void dec_q8z(const uint8_t *b, float *y) { dec_zero8(rd_h(b), rd_i16(b + 2), (const int8_t *)(b + 4), y); }
+/* Q4ZF (203): d (f32), zero (u8), 3 pad, qs[16]. */
+static inline void dec_q4zf(const uint8_t *b, float *y) { dec_zero4(rd_f(b), b[4], b + 8, y); }
+/* Q8ZF (204): d (f32), zero (i16), 2 pad, qs[32] (i8). */
+static inline void dec_q8zf(const uint8_t *b, float *y) { dec_zero8(rd_f(b), rd_i16(b + 4), (const int8_t *)(b + 8), y); }
+
+/* float8 e4m3fn (bias 7, no infinities, S.1111.111 NaN) as float: exact. */
+static inline float e4m3_to_f(uint8_t v) {
+    const int sign = v >> 7, exp = (v >> 3) & 0xF, man = v & 7;
+    float mag;
+    if (exp == 0xF && man == 7)
+        mag = NAN;
+    else if (exp == 0)
+        mag = (float)man * (1.0f / 512.0f); /* subnormal: man * 2^-9 */
+    else
+        mag = ldexpf(1.0f + (float)man * 0.125f, exp - 7);
+    return sign ? -mag : mag;
+}
+
+static float e4m3_table[256];
+__attribute__((constructor)) static void init_e4m3_table(void) {
+    for (int i = 0; i < 256; i++) e4m3_table[i] = e4m3_to_f((uint8_t)i);
+}
+
+/* F8S (202): s (f32), qs[32] (e4m3fn): value = e4m3(q) * s. */
+static inline void dec_f8s(const uint8_t *b, float *y) {
+    const float s = rd_f(b);
+    for (int j = 0; j < 32; j++) y[j] = e4m3_table[b[4 + j]] * s;
+}
+
 /* Integer row dots for the common types: decode steps read the whole model through these.
  *
  * Per call, each activation row is converted once to block fixed point (FixedRow): each 32-value
@@ -971,6 +1035,11 @@ DEFINE_MATMUL(q4_k, dec_q4_k, QK_K)
 DEFINE_MATMUL(q5_k, dec_q5_k, QK_K)
 DEFINE_MATMUL(q6_k, dec_q6_k, QK_K)
 DEFINE_MATMUL(iq4_xs, dec_iq4_xs, QK_K)
+DEFINE_MATMUL(q4z, dec_q4z, 32)
+DEFINE_MATMUL(q8z, dec_q8z, 32)
+DEFINE_MATMUL(f8s, dec_f8s, 32)
+DEFINE_MATMUL(q4zf, dec_q4zf, 32)
+DEFINE_MATMUL(q8zf, dec_q8zf, 32)
 
 typedef struct {
     int type;        /* GGML type id */
@@ -986,6 +1055,8 @@ static const Format FORMATS[] = {
     {10, 256, 84, dec_q2_k, mm_q2_k},      {11, 256, 110, dec_q3_k, mm_q3_k},   {12, 256, 144, dec_q4_k, mm_q4_k},
     {13, 256, 176, dec_q5_k, mm_q5_k},     {14, 256, 210, dec_q6_k, mm_q6_k},   {20, 32, 18, dec_iq4_nl, mm_iq4_nl},
     {23, 256, 136, dec_iq4_xs, mm_iq4_xs}, {30, 32, 64, dec_bf16, mm_bf16},
+    {200, 32, 19, dec_q4z, mm_q4z},        {201, 32, 36, dec_q8z, mm_q8z},      {202, 32, 36, dec_f8s, mm_f8s},
+    {203, 32, 24, dec_q4zf, mm_q4zf},      {204, 32, 40, dec_q8zf, mm_q8zf},
 };
 
 static const Format *find(int type) {

@@ -3,7 +3,14 @@
  * A decode row has one query token; its keys and values lie in the cache blocks its block table
  * lists. The torch path gathers those blocks into a contiguous copy per layer and step; this kernel
  * walks the block table instead and reads every K/V row where it lies. The query heads sharing a KV
- * head (GQA) are attended together, so each K/V row is loaded (and converted from bf16/f16) once.
+ * head (GQA) are attended together, so each K/V row is loaded (and converted from bf16/f16, or
+ * decoded from fp8 / int8, into one L1-resident row buffer) once; no widened copy of the cache exists.
+ *
+ * Quantized caches (vllmpy/attention/kv_storage.py): fp8 e4m3 / e5m2 values times a per-tensor scale
+ * (one for K, one for V); int8 values times an fp16 scale per `group` values of a row, read from a
+ * separate scale plane laid out as the values with head_dim / group entries per row. Both fp8 kinds
+ * widen to fp16 bit patterns with integer shifts (e5m2 is fp16's top byte; e4m3 lands 8 binades low,
+ * folded into the scale) and convert with F16C, so fp8 subnormals come out exact.
  *
  * Softmax is computed online over tiles of positions (running max and sum, as in flash attention)
  * in fp32, so no buffer grows with the context. When there are fewer (row, KV head) pairs than
@@ -21,7 +28,7 @@
 #define MIN_SPLIT 64      /* fewest positions worth handing to a thread of their own */
 #define PARALLEL_WORK 32768 /* below this many query-key products a thread wake-up costs more than it saves */
 
-enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_F16 = 2 };
+enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_F16 = 2, CACHE_FP8_E4M3 = 3, CACHE_FP8_E5M2 = 4, CACHE_INT8 = 5 };
 
 /* fmaf is one instruction with FMA hardware but a slow libm call without (the no -march=native build). */
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
@@ -43,6 +50,9 @@ typedef struct {
     const char *k, *v;       /* [num_blocks, block_size, kv_heads, dim] each */
     int dtype;
     int64_t elem_bytes;
+    float k_mult, v_mult;    /* fp8: what a widened value is multiplied by (the per-tensor scale) */
+    const uint16_t *k_scales, *v_scales; /* int8: fp16 [num_blocks, block_size, kv_heads, dim / q_group] */
+    int64_t q_group;         /* int8: values per scale */
     const int64_t *tables;   /* row b's block ids: tables + b * bt_stride */
     int64_t bt_stride;
     const int64_t *seq_lens; /* [rows] context length including the new token */
@@ -67,10 +77,69 @@ static inline void row_offsets(const Job *j, int64_t b, int64_t h, int64_t t, in
     }
 }
 
-/* The cache row at element offset `at` as floats: in place for fp32, else converted into buf. */
-static inline const float *as_floats(const Job *j, const char *cache, int64_t at, float *buf) {
+/* fp8 bytes -> the fp16 bit patterns of the same values (e4m3: 2^-8 times them). */
+static inline uint16_t fp8_to_half_bits(uint8_t b, int e4m3) {
+    return e4m3 ? (uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7)) : (uint16_t)(b << 8);
+}
+
+/* n fp8 values times mult into buf. */
+static void fp8_row(const uint8_t *s, int64_t n, int e4m3, float mult, float *buf) {
+    int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX2__)
+    const __m512 m = _mm512_set1_ps(mult);
+    for (; i + 16 <= n; i += 16) {
+        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(s + i)));
+        w = e4m3 ? _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                   _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7))
+                 : _mm256_slli_epi16(w, 8);
+        _mm512_storeu_ps(buf + i, _mm512_mul_ps(_mm512_cvtph_ps(w), m));
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
+    const __m256 m = _mm256_set1_ps(mult);
+    for (; i + 8 <= n; i += 8) {
+        __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(s + i)));
+        w = e4m3 ? _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7))
+                 : _mm_slli_epi16(w, 8);
+        _mm256_storeu_ps(buf + i, _mm256_mul_ps(_mm256_cvtph_ps(w), m));
+    }
+#endif
+    for (; i < n; i++) buf[i] = h2f(fp8_to_half_bits(s[i], e4m3)) * mult;
+}
+
+/* n int8 values, each group of `group` times its fp16 scale, into buf. */
+static void int8_row(const int8_t *s, const uint16_t *scales, int64_t n, int64_t group, float *buf) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (group % 16 == 0)
+        for (; i + 16 <= n; i += 16) {
+            const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(s + i))));
+            _mm512_storeu_ps(buf + i, _mm512_mul_ps(x, _mm512_set1_ps(h2f(scales[i / group]))));
+        }
+#elif defined(__AVX2__)
+    if (group % 8 == 0)
+        for (; i + 8 <= n; i += 8) {
+            const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s + i))));
+            _mm256_storeu_ps(buf + i, _mm256_mul_ps(x, _mm256_set1_ps(h2f(scales[i / group]))));
+        }
+#endif
+    for (; i < n; i++) buf[i] = (float)s[i] * h2f(scales[i / group]);
+}
+
+/* The K (which 0) or V (1) cache row at element offset `at` as floats: in place for fp32, else
+ * converted into buf. */
+static inline const float *as_floats(const Job *j, int which, int64_t at, float *buf) {
     const int64_t d = j->dim;
+    const char *cache = which ? j->v : j->k;
     if (j->dtype == CACHE_F32) return (const float *)(cache + at * j->elem_bytes);
+    if (j->dtype == CACHE_FP8_E4M3 || j->dtype == CACHE_FP8_E5M2) {
+        fp8_row((const uint8_t *)cache + at, d, j->dtype == CACHE_FP8_E4M3, which ? j->v_mult : j->k_mult, buf);
+        return buf;
+    }
+    if (j->dtype == CACHE_INT8) {
+        int8_row((const int8_t *)cache + at, (which ? j->v_scales : j->k_scales) + at / j->q_group, d, j->q_group, buf);
+        return buf;
+    }
     const uint16_t *s = (const uint16_t *)(cache + at * j->elem_bytes);
     if (j->dtype == CACHE_BF16) {
         for (int64_t i = 0; i < d; i++) { /* bf16 is the top half of an fp32 */
@@ -161,7 +230,7 @@ static void attend_range(const Job *j, int64_t b, int64_t h, int64_t p0, int64_t
         for (int64_t i = 0; i < n; i++) {
             if (i + PREFETCH_AHEAD < n) prefetch_row(j, j->k, at[i + PREFETCH_AHEAD]);
             prefetch_row(j, j->v, at[i]); /* this tile's V rows arrive while K is being scored */
-            const float *k = as_floats(j, j->k, at[i], buf);
+            const float *k = as_floats(j, 0, at[i], buf);
             for (int64_t g = 0; g < g_n; g++) {
                 float s = dot(q + g * d, k, d) * j->scale; /* same operation order as the torch path */
                 if (j->soft_cap != 0.0f) s = tanhf(s / j->soft_cap) * j->soft_cap;
@@ -183,7 +252,7 @@ static void attend_range(const Job *j, int64_t b, int64_t h, int64_t p0, int64_t
             }
         }
         for (int64_t i = 0; i < n; i++) {
-            const float *v = as_floats(j, j->v, at[i], buf);
+            const float *v = as_floats(j, 1, at[i], buf);
             for (int64_t g = 0; g < g_n; g++) axpy(acc + g * d, scores[g * TILE + i], v, d);
         }
     }
@@ -222,17 +291,25 @@ static int64_t choose_splits(int64_t pairs, int64_t longest, int threads, int pa
 
 /* out[tokens[b], h] = softmax(scale * q[tokens[b], h] . K_b^T) V_b for each decode row b and query
  * head h, where K_b/V_b are KV head h / (heads / kv_heads) at the row's visible positions, read
- * through its block table. cache_dtype: 0 float32, 1 bfloat16, 2 float16; q and out are float32 with
- * [heads, dim] contiguous per token. Returns 0, or -1 for an unknown cache dtype. */
+ * through its block table. cache_dtype: 0 float32, 1 bfloat16, 2 float16, 3 fp8 e4m3, 4 fp8 e5m2 (times
+ * k_scale / v_scale), 5 int8 (times k_scales / v_scales: fp16, one per group = gcd(dim, 32) values); q and
+ * out are float32 with [heads, dim] contiguous per token. Returns 0, or -1 for an unknown cache dtype or an
+ * int8 cache without scales. */
 int vq_paged_decode(const float *q, int64_t q_stride, const int64_t *tokens, const void *k_cache, const void *v_cache,
-                    int cache_dtype, const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
+                    int cache_dtype, float k_scale, float v_scale, const void *k_scales, const void *v_scales,
+                    const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
                     int64_t rows, int64_t block_size, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
                     float soft_cap, int64_t window, float *out, int64_t out_stride, int threads) {
-    static const int64_t elem_bytes[] = {4, 2, 2};
-    if (cache_dtype < CACHE_F32 || cache_dtype > CACHE_F16) return -1;
+    static const int64_t elem_bytes[] = {4, 2, 2, 1, 1, 1};
+    if (cache_dtype < CACHE_F32 || cache_dtype > CACHE_INT8) return -1;
+    if (cache_dtype == CACHE_INT8 && (!k_scales || !v_scales)) return -1;
+    int64_t q_group = 32;
+    while (dim % q_group) q_group /= 2; /* gcd(dim, 32), as the writer groups */
+    const float widen = cache_dtype == CACHE_FP8_E4M3 ? 256.0f : 1.0f; /* e4m3 widens 2^-8 low */
     const Job j = {q, q_stride, tokens, (const char *)k_cache, (const char *)v_cache, cache_dtype,
-                   elem_bytes[cache_dtype], block_tables, bt_stride, seq_lens, block_size, heads, kv_heads, dim,
-                   heads / kv_heads, scale, soft_cap, window, out, out_stride};
+                   elem_bytes[cache_dtype], k_scale * widen, v_scale * widen, (const uint16_t *)k_scales,
+                   (const uint16_t *)v_scales, q_group, block_tables, bt_stride, seq_lens, block_size, heads, kv_heads,
+                   dim, heads / kv_heads, scale, soft_cap, window, out, out_stride};
     int64_t longest = 0, keys = 0;
     for (int64_t b = 0; b < rows; b++) {
         const int64_t n = seq_lens[b] - first_visible(&j, seq_lens[b]);

@@ -87,7 +87,7 @@ class MergedLinear(Linear):
         else:
             segments = [shards[0]]
             for shard in shards[1:]:
-                if shard.ggml_type == segments[-1].ggml_type:
+                if segments[-1].fuses_with(shard):
                     segments[-1] = segments[-1].concat(shard)
                 else:
                     segments.append(shard)

@@ -15,7 +15,8 @@ from torch import nn
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.layers.activation import gated, get_activation
 from vllmpy.layers.dense import dense_linear
-from vllmpy.layers.linear import Linear, default_weight_loader
+from vllmpy.layers.linear import Linear, default_weight_loader, release
+from vllmpy.layers.quantized import PackedTensor, packed_linear
 
 ExpertShard = tuple[int, int | str]  # (expert, part of a fused projection)
 
@@ -25,7 +26,8 @@ class ExpertLinear(nn.Module):
 
     Checkpoints store a 2D tensor per expert and part (`experts.3.gate_proj.weight`); the module's
     `weight_loader` copies it into that expert's rows for shard id (expert, part). Shard None is the
-    whole stack (transformers' fused `experts.gate_up_proj`).
+    whole stack (transformers' fused `experts.gate_up_proj`). Packed per-expert weights (quantized
+    safetensors) stay packed: `load_packed` collects them and `finish_loading` fuses each expert's parts.
     """
 
     def __init__(self, num_experts: int, in_features: int, part_sizes: dict[int | str, int]) -> None:
@@ -38,6 +40,43 @@ class ExpertLinear(nn.Module):
             for expert in range(num_experts):
                 self.shard_offsets[(expert, part)] = (offset, size)
             offset += size
+        self.packed_parts: dict[ExpertShard, PackedTensor] = {}
+        self.packed: list[list[PackedTensor]] | None = None  # per expert: its parts as fused segments
+
+    def load_packed(self, weight: PackedTensor, shard_id: ExpertShard | None) -> None:
+        if shard_id not in self.shard_offsets:
+            raise ValueError(f"packed expert weight needs an (expert, part) shard, got {shard_id}")
+        size = self.shard_offsets[shard_id][1]
+        if weight.shape != (size, self.weight.shape[2]):
+            raise ValueError(f"shape mismatch for expert shard {shard_id}: parameter {(size, self.weight.shape[2])} "
+                             f"vs checkpoint {weight.shape}")
+        self.packed_parts[shard_id] = weight
+
+    def finish_loading(self) -> None:
+        """Each expert's parts fused where they share a block type and column order; if some parts came
+        dense, the packed ones are expanded into the stack instead."""
+        if not self.packed_parts:
+            return
+        if len(self.packed_parts) < len(self.shard_offsets):
+            for (expert, part), packed in self.packed_parts.items():
+                offset, size = self.shard_offsets[(expert, part)]
+                self.weight.data[expert].narrow(0, offset, size).copy_(packed.dequantize())
+        else:
+            self.packed = [[] for _ in range(self.weight.shape[0])]
+            for shard in self.shard_offsets:  # each expert's parts in declared (row) order
+                segments, part = self.packed[shard[0]], self.packed_parts[shard]
+                if segments and segments[-1].fuses_with(part):
+                    segments[-1] = segments[-1].concat(part)
+                else:
+                    segments.append(part)
+            release(self.weight)
+        self.packed_parts = {}
+
+    def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x @ W_expert^T."""
+        if self.packed is not None:
+            return packed_linear(x, self.packed[expert])
+        return dense_linear(x, self.weight[expert])
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShard | None) -> None:
         if shard_id is None:
@@ -77,8 +116,8 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             end = start + count
-            h = gated(self.act, dense_linear(xs[start:end], self.gate_up_proj.weight[expert]))
-            out[start:end] = dense_linear(h, self.down_proj.weight[expert])
+            h = gated(self.act, self.gate_up_proj.matmul(expert, xs[start:end]))
+            out[start:end] = self.down_proj.matmul(expert, h)
             start = end
         out *= weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
         return torch.zeros_like(x).index_add_(0, rows, out)

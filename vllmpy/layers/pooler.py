@@ -1,6 +1,9 @@
 """Embedding pooling: one vector per prompt from its final hidden states (CLS, MEAN or LAST), then the
 request's Matryoshka truncation and L2 normalization, as vLLM's embed pooler.
 
+A classification model (one with a `classify(pooled) -> logits` head: cross-encoders, sequence
+classifiers) turns the pooled vector into logits and its activation instead (vLLM's ClassifierPooler).
+
 The pooling type comes from a sentence-transformers checkpoint's own files when present (modules.json
 and its Pooling module's config.json), else from the model family (BERT: CLS, decoders: LAST).
 """
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -105,13 +109,78 @@ def check_dimensions(params: PoolingParams, model_config: dict, hidden_size: int
         raise ValueError(f"dimensions must be <= the embedding size {hidden_size}, got {params.dimensions}")
 
 
-class Pooler:
-    """Final hidden states of whole prompts → one finished embedding per prompt (plain lists)."""
+# sentence-transformers CrossEncoder activation names (config.json) → ours; vLLM reads the same keys.
+_ST_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Sigmoid": "sigmoid"}
 
-    def __init__(self, config: PoolerConfig) -> None:
+
+def classifier_activation(model_config: dict) -> str:
+    """"identity", "sigmoid" or "softmax" for a classification model's logits: a sentence-transformers
+    cross-encoder's own activation when config.json names one, else sigmoid for one label or multi-label
+    problems, softmax otherwise (vLLM's choice)."""
+    named = (model_config.get("sentence_transformers") or {}).get("activation_fn") or model_config.get(
+        "sbert_ce_default_activation_function")
+    if named is not None:
+        if named not in _ST_ACTIVATIONS:
+            raise UnsupportedCheckpointError(f"config.json: cross-encoder activation {named!r} is not supported; "
+                                             f"supported: {', '.join(_ST_ACTIVATIONS)}")
+        return _ST_ACTIVATIONS[named]
+    if num_labels(model_config) == 1 or model_config.get("problem_type") == "multi_label_classification":
+        return "sigmoid"
+    return "softmax"
+
+
+def num_labels(model_config: dict) -> int:
+    """transformers' count: id2label's size, else num_labels, else its default of 2."""
+    return len(model_config.get("id2label") or {}) or int(model_config.get("num_labels", 2))
+
+
+def _activate(logits: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1) if kind == "softmax" else logits
+
+
+def token_type_inputs(model: torch.nn.Module, token_counts: Sequence[int],
+                      params: Sequence[PoolingParams | None], device: torch.device) -> dict[str, torch.Tensor]:
+    """The `token_type_ids` keyword for a model that reads them (BERT): 1 from each sentence pair's
+    second segment on, 0 elsewhere; {} for every other model. Encoder prompts arrive whole, one per chunk."""
+    if not getattr(model, "uses_token_types", False):
+        return {}
+    types: list[int] = []
+    for count, p in zip(token_counts, params):
+        start = (p.extra_kwargs or {}).get("compressed_token_type_ids", count) if p is not None else count
+        types.extend([0] * min(start, count) + [1] * max(count - start, 0))
+    return {"token_type_ids": torch.tensor(types, dtype=torch.int64, device=device)}
+
+
+class Pooler:
+    """Final hidden states of whole prompts → one finished vector per prompt (plain lists): an embedding,
+    or with `classifier` set the activated logits."""
+
+    def __init__(self, config: PoolerConfig, classifier: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 activation: str = "softmax") -> None:
         if config.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling type must be one of {', '.join(POOLING_TYPES)}, got {config.pooling_type!r}")
         self.config = config
+        self.classifier = classifier
+        self.activation = activation
+
+    def check(self, params: PoolingParams, model_config: dict, hidden_size: int) -> None:
+        """Refuse what this model cannot pool: embeddings from a classifier, class scores from an embedder."""
+        wanted = params.task
+        if self.classifier is None and wanted in ("classify", "score"):
+            raise ValueError(f"model: this is an embedding model; it has no classification head to {wanted} with "
+                             f"(serve a *ForSequenceClassification checkpoint)")
+        if self.classifier is not None and wanted == "score" and num_labels(model_config) != 1:
+            raise ValueError(f"model: scoring needs a cross-encoder with one output label; this classifier has "
+                             f"{num_labels(model_config)} (use /classify)")
+        if self.classifier is not None and wanted == "embed":
+            raise ValueError("model: this is a classification model; it does not serve embeddings (use "
+                             "/classify, /score or /pooling)")
+        if self.classifier is not None and (params.dimensions is not None or params.normalize is not None):
+            raise ValueError(f"{'dimensions' if params.dimensions is not None else 'normalize'}: applies to "
+                             f"embeddings, and this is a classification model")
+        check_dimensions(params, model_config, hidden_size)
 
     def __call__(self, hidden: torch.Tensor, spans: list[tuple[int, int]],
                  params: list[PoolingParams]) -> list[list[float]]:
@@ -122,6 +191,10 @@ class Pooler:
         else:
             rows = [start if kind == "CLS" else end - 1 for start, end in spans]
             pooled = hidden[torch.tensor(rows, device=hidden.device)].float()
+        if self.classifier is not None:
+            logits = self.classifier(pooled.to(hidden.dtype)).float()
+            return [(_activate(row, self.activation) if p.use_activation is not False else row).tolist()
+                    for row, p in zip(logits, params)]
         vectors = []
         for vector, p in zip(pooled, params):
             if p.dimensions is not None:

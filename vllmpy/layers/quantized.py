@@ -37,11 +37,15 @@ _scratch = threading.local()
 
 @dataclass
 class PackedTensor:
-    """A [rows, cols] weight in GGML blocks: `data` is uint8 [rows, bytes per row], often a file view."""
+    """A [rows, cols] weight in GGML blocks: `data` is uint8 [rows, bytes per row], often a file view.
+
+    `input_perm` (GPTQ act-order, repacked so each group's columns are contiguous): the blocks hold the
+    weight's columns in this order, so the matmul permutes the activation's columns the same way."""
 
     data: torch.Tensor
     ggml_type: int
     shape: tuple[int, int]
+    input_perm: torch.Tensor | None = None
 
     @staticmethod
     def packable(ggml_type: int, shape: tuple[int, ...]) -> bool:
@@ -67,15 +71,23 @@ class PackedTensor:
         out = torch.empty(flat.numel(), self.shape[1], dtype=torch.float32)
         block_kernels().vq_decode_rows(self.ggml_type, self.data.data_ptr(), self.data.shape[1], self.shape[1],
                                        flat.data_ptr(), flat.numel(), out.data_ptr(), torch.get_num_threads())
+        if self.input_perm is not None:
+            out = torch.empty_like(out).index_copy_(1, self.input_perm, out)
         return out.reshape(*ids.shape, self.shape[1])
 
     def dequantize(self) -> torch.Tensor:
         return self.rows(torch.arange(self.shape[0]))
 
+    def fuses_with(self, other: PackedTensor) -> bool:
+        """Whether `concat` may stack the two: one block type and one column order."""
+        if self.ggml_type != other.ggml_type or (self.input_perm is None) != (other.input_perm is None):
+            return False
+        return self.input_perm is None or torch.equal(self.input_perm, other.input_perm)
+
     def concat(self, other: PackedTensor) -> PackedTensor:
-        """Rows of `other` appended (same type, same columns): fused q/k/v or gate/up in one weight."""
+        """Rows of `other` appended (`fuses_with`): fused q/k/v or gate/up in one weight."""
         data = torch.cat([self.data, other.data])
-        return PackedTensor(data, self.ggml_type, (self.shape[0] + other.shape[0], self.shape[1]))
+        return PackedTensor(data, self.ggml_type, (self.shape[0] + other.shape[0], self.shape[1]), self.input_perm)
 
 
 def packed_linear(x: torch.Tensor, weight: PackedTensor | Sequence[PackedTensor],
@@ -87,6 +99,8 @@ def packed_linear(x: torch.Tensor, weight: PackedTensor | Sequence[PackedTensor]
     Else slabs in float32, or in bfloat16 when x is (the user chose --dtype bfloat16: CPUs with
     AVX512-BF16 or AMX multiply it natively, ~4x faster)."""
     segments = (weight,) if isinstance(weight, PackedTensor) else weight
+    if any(segment.input_perm is not None for segment in segments):
+        return _permuted_linear(x, segments, bias)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     rows, n = x2.shape[0], sum(segment.shape[0] for segment in segments)
@@ -102,6 +116,16 @@ def packed_linear(x: torch.Tensor, weight: PackedTensor | Sequence[PackedTensor]
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.to(x.dtype).view(*lead, n)
+
+
+def _permuted_linear(x: torch.Tensor, segments: Sequence[PackedTensor], bias: torch.Tensor | None) -> torch.Tensor:
+    """Segments whose blocks hold the columns in `input_perm` order: each multiplies x's columns in its order."""
+    parts = []
+    for segment in segments:
+        permuted = x if segment.input_perm is None else x.index_select(-1, segment.input_perm)
+        parts.append(packed_linear(permuted, PackedTensor(segment.data, segment.ggml_type, segment.shape)))
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 def _slab_matmul(x: torch.Tensor, segments: Sequence[PackedTensor], n: int) -> torch.Tensor:

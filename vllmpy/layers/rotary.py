@@ -136,10 +136,16 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, params: dict, max_position: int, interleaved: bool = False,
                  serving_len: int | None = None) -> None:
         super().__init__()
-        # A plain attribute, not a buffer: it is computed, never loaded, and survives meta construction.
-        self.inv_freq, self.attention_scaling = _inv_freq(rotary_dim, params, max_position, serving_len)
+        self._params, self._max_position = params, max_position
         self.rotary_dim = rotary_dim
         self.interleaved = interleaved
+        self.set_serving_len(serving_len)
+
+    def set_serving_len(self, serving_len: int | None) -> None:
+        """(Re)pick the frequencies for the engine's max_model_len (None: the checkpoint's context)."""
+        # A plain attribute, not a buffer: it is computed, never loaded, and survives meta construction.
+        self.inv_freq, self.attention_scaling = _inv_freq(self.rotary_dim, self._params, self._max_position,
+                                                          serving_len)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
         if self.inv_freq.device != positions.device:

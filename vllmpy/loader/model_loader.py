@@ -2,7 +2,6 @@
 the model on the meta device, then fill it in place."""
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import logging
@@ -18,6 +17,7 @@ from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.kernels import block_kernels
 from vllmpy.layers.quantized import PackedTensor
 from vllmpy.loader.default_model import default_model_path
+from vllmpy.loader.heap import return_freed_heap
 from vllmpy.loader.hub import looks_like_repo_id, resolve_repo
 from vllmpy.models.base import CausalLM
 from vllmpy.models.registry import resolve_model_class
@@ -26,8 +26,6 @@ from vllmpy.tokenizer import Tokenizer
 logger = logging.getLogger("vllmpy")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Keys that declare a feature we would otherwise silently ignore.
-_REFUSED_CONFIG_KEYS = ("quantization_config",)
 
 
 @dataclass
@@ -39,7 +37,8 @@ class Checkpoint:
     weights: Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]]
     num_tensors: int
     generation_config: dict = field(default_factory=dict)
-    # GGUF: the same stream with block-quantized 2-D tensors left packed (see layers/quantized.py).
+    # GGUF and quantized safetensors: the same stream with block-quantized 2-D tensors left packed
+    # (see layers/quantized.py).
     packed_weights: Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor | PackedTensor]]] | None = None
 
     @property
@@ -82,23 +81,24 @@ def _read_json(path: str) -> dict:
 
 
 def _open_hf_dir(path: str, tokenizer_path: str | None) -> Checkpoint:
+    from vllmpy.loader.quantization import QuantizedSafetensors, parse_quantization_config
     from vllmpy.loader.safetensors import SafetensorsWeights
 
     config = _read_json(os.path.join(path, "config.json"))
     if not config:
         raise UnsupportedCheckpointError(f"{path}: no config.json")
-    for key in _REFUSED_CONFIG_KEYS:
-        if key in config:
-            method = (config[key] or {}).get("quant_method", "?")
-            raise UnsupportedCheckpointError(
-                f"config key {key!r} (quant_method={method!r}) is not supported for safetensors checkpoints "
-                f"yet; use an unquantized checkpoint or a GGUF file")
+    quant = parse_quantization_config(config["quantization_config"] or {}) if "quantization_config" in config else None
     resolve_model_class(config)  # refuse an unknown architecture before touching weights
+    generation = _read_json(os.path.join(path, "generation_config.json"))
+    if quant is not None:
+        packed = QuantizedSafetensors(path, quant)
+        return Checkpoint(path=path, format="safetensors", config=config,
+                          tokenizer=Tokenizer.from_pretrained(tokenizer_path or path), weights=packed.dense,
+                          num_tensors=packed.num_tensors, generation_config=generation, packed_weights=packed.iterate)
     weights = SafetensorsWeights(path)
     return Checkpoint(path=path, format="safetensors", config=config,
                       tokenizer=Tokenizer.from_pretrained(tokenizer_path or path), weights=weights.iterate,
-                      num_tensors=weights.num_tensors,
-                      generation_config=_read_json(os.path.join(path, "generation_config.json")))
+                      num_tensors=weights.num_tensors, generation_config=generation)
 
 
 def _open_gguf(path: str) -> Checkpoint:
@@ -128,15 +128,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, task: str = "auto") -> CausalLM:
+def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, task: str = "auto",
+                max_model_len: int | None = None) -> CausalLM:
     """Construct on the meta device (no memory), materialize empty, then copy weights in place.
 
-    On the CPU, GGUF blocks stay packed when the block kernels are available
-    (VLLMPY_GGUF_KEEP_QUANT=0 opts out); elsewhere they are dequantized to `dtype` as they load.
+    On the CPU, GGUF blocks (and quantized safetensors weights, repacked into blocks) stay packed when the
+    block kernels are available (VLLMPY_GGUF_KEEP_QUANT=0 opts out); elsewhere they are dequantized to
+    `dtype` as they load.
     """
     model_cls = resolve_model_class(ckpt.config, task)
     with torch.device("meta"):
         model = model_cls(ckpt.config)
+    if max_model_len is not None:
+        model.set_max_model_len(max_model_len)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     keep_packed = (ckpt.packed_weights is not None and device.type == "cpu"
@@ -145,17 +149,6 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, task
     weights = tqdm(stream, total=ckpt.num_tensors, desc="Loading weights", unit="tensor",
                    disable=None, leave=False)
     model.load_weights(weights)
-    _return_freed_heap()
+    return_freed_heap()
     return model.eval()
-
-
-def _return_freed_heap() -> None:
-    """Hand the transient heap of loading (tokenizer JSON, GGUF metadata lists) back to the OS.
-
-    glibc keeps freed small allocations in its arenas; on the default model that is ~230 MB of RSS.
-    """
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 

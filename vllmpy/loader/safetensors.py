@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -56,21 +56,44 @@ def _header(path: str) -> dict:
     return header
 
 
+class TensorInfo(NamedTuple):
+    path: str  # the shard holding it
+    dtype: str  # safetensors dtype name: F32, I32, F8_E4M3, ...
+    shape: tuple[int, ...]
+    start: int  # byte offset of its data in the file
+    end: int
+
+
+def tensor_index(files: list[str]) -> dict[str, TensorInfo]:
+    """Every weight in the shards, from their headers alone."""
+    index = {}
+    for path in files:
+        with open(path, "rb") as f:
+            data_start = 8 + int.from_bytes(f.read(8), "little")
+        for name, info in _header(path).items():
+            if name != "__metadata__" and not name.endswith(DERIVED_BUFFERS):
+                begin, end = info["data_offsets"]
+                index[name] = TensorInfo(path, info["dtype"], tuple(info["shape"]), data_start + begin,
+                                         data_start + end)
+    return index
+
+
+def check_dtype(name: str, path: str, dtype: str) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedCheckpointError(
+            f"tensor {name!r} in {os.path.basename(path)} has dtype {dtype}; "
+            f"supported dtypes: {', '.join(sorted(SUPPORTED_DTYPES))}")
+
+
 class SafetensorsWeights:
     """Validates all shards up front; `iterate(dtype)` then streams (name, tensor) one at a time."""
 
     def __init__(self, model_dir: str) -> None:
         self.files = shard_files(model_dir)
-        self.num_tensors = 0
-        for path in self.files:
-            for name, info in _header(path).items():
-                if name == "__metadata__" or name.endswith(DERIVED_BUFFERS):
-                    continue
-                self.num_tensors += 1
-                if info["dtype"] not in SUPPORTED_DTYPES:
-                    raise UnsupportedCheckpointError(
-                        f"tensor {name!r} in {os.path.basename(path)} has dtype {info['dtype']}; "
-                        f"supported dtypes: {', '.join(sorted(SUPPORTED_DTYPES))}")
+        index = tensor_index(self.files)
+        self.num_tensors = len(index)
+        for name, info in index.items():
+            check_dtype(name, info.path, info.dtype)
 
     def iterate(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         for path in self.files:

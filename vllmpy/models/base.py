@@ -8,12 +8,18 @@ import torch
 from torch import nn
 
 from vllmpy.attention.base import AttentionMetadata
+from vllmpy.attention.layer import PagedAttention
+from vllmpy.engine.kv_cache_spec import KVCacheSpec
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.layers.linear import default_weight_loader
 from vllmpy.layers.quantized import PackedTensor
+from vllmpy.layers.rotary import RotaryEmbedding
 
 # Checkpoint tensors that are derived buffers, never weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# An fp8 KV cache's per-layer scales as vLLM reads them: `self_attn.k_scale`, ModelOpt's
+# `self_attn.k_proj.k_scale`, the legacy `self_attn.kv_scale` (both K and V).
+_KV_SCALE = re.compile(r"^(?P<attn>.+?)\.(?:[kv]_proj\.)?(?P<which>k_scale|v_scale|kv_scale)$")
 
 
 class CausalLM(nn.Module):
@@ -39,12 +45,24 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Returns the final hidden states [T, hidden] of every token in the flat batch."""
+                meta: list[AttentionMetadata]) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden] of every token in the flat batch. kv_caches and
+        meta hold one entry per layer, in kv_cache_specs() order (meta: the layer's group's)."""
         raise NotImplementedError
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """The engine's serving length, given once after construction: LongRoPE picks its frequency set
+        by it, a learned position table refuses a length it does not cover."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.set_serving_len(max_model_len)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
+        """What each layer keeps per request, as its attention module declares it, in forward order."""
+        return [module.kv_cache_spec(block_size, dtype) for module in self.attention_layers()]
 
     def kv_cache_shape(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads, head_dim) of the paged cache this model needs."""
@@ -75,6 +93,8 @@ class CausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and ckpt_name == "lm_head.weight":
                 continue  # tied: the embedding is the head
+            if self._load_kv_scale(ckpt_name, tensor):
+                continue
             name, shard = self.checkpoint_name_to_param(ckpt_name)
             if name not in params:
                 raise UnsupportedCheckpointError(
@@ -99,6 +119,31 @@ class CausalLM(nn.Module):
             loaded.add(name if shard is None else f"{name}#{shard}")
         self._check_all_loaded(params, loaded)
         self._finish_loading()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """The layers with a KV cache, in kv_cache_specs() order."""
+        return [module for module in self.modules() if isinstance(module, PagedAttention)]
+
+    def _load_kv_scale(self, ckpt_name: str, tensor: torch.Tensor | PackedTensor) -> bool:
+        """Put a k_scale / v_scale / kv_scale tensor on its layer's PagedAttention; False for other tensors."""
+        name = ckpt_name
+        for pattern, replacement in self.checkpoint_renames:
+            name = re.sub(pattern, replacement, name)
+        match = _KV_SCALE.match(name)
+        if match is None:
+            return False
+        try:
+            owner = self.get_submodule(match["attn"])
+        except AttributeError:
+            return False
+        attn = next((m for m in owner.modules() if isinstance(m, PagedAttention)), None)
+        if attn is None:
+            return False
+        try:
+            attn.load_kv_scale(match["which"], tensor.dequantize() if isinstance(tensor, PackedTensor) else tensor)
+        except ValueError as exc:
+            raise UnsupportedCheckpointError(f"checkpoint tensor {ckpt_name!r}: {exc}") from None
+        return True
 
     def _finish_loading(self) -> None:
         """Per-module work once every tensor is in (fuse packed shards, precompute norm scales), and let a

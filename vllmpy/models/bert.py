@@ -1,8 +1,9 @@
 """BERT encoder (BertModel: sentence-transformers' all-MiniLM, BGE, E5, ...): bidirectional attention,
-learned absolute positions, token-type embeddings (a single segment: type 0), post-LayerNorm residual
+learned absolute positions, token-type embeddings (type 1 on a sentence pair's second segment), post-LayerNorm residual
 blocks, ungated GELU MLP, biases everywhere. Reuses the shared attention (non-causal, no rotary) and MLP."""
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -29,9 +30,12 @@ class BertEmbeddings(nn.Module):
             table.weight.requires_grad_(False)
         self.LayerNorm = LayerNorm(hidden, config.get("layer_norm_eps", 1e-12))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        types = self.token_type_embeddings.weight[0] if token_type_ids is None else self.token_type_embeddings(
+            token_type_ids)
+        return self.LayerNorm(x + types)
 
 
 class BertLayer(nn.Module):
@@ -53,6 +57,8 @@ class BertLayer(nn.Module):
 class BertModel(PoolingModel, CausalLM):
     default_pooling_type = "CLS"
     is_causal = False
+    uses_token_types = True  # the runner passes token_type_ids (see layers.pooler.token_type_inputs)
+    embeddings_class: type[nn.Module] = BertEmbeddings
     checkpoint_renames = (
         (r"^bert\.", ""),
         (r"^encoder\.layer\.", "layers."),
@@ -68,20 +74,29 @@ class BertModel(PoolingModel, CausalLM):
 
     def __init__(self, config: dict) -> None:
         super().__init__(config)
-        max_len, positions = config.get("max_model_len"), config["max_position_embeddings"]
-        if max_len is not None and max_len > positions:
-            raise ValueError(f"--max-model-len {max_len} exceeds this BERT model's max_position_embeddings "
-                             f"({positions}): it has no learned position beyond that")
-        self.embeddings = BertEmbeddings(config)
+        self.embeddings = self.embeddings_class(config)
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config["num_hidden_layers"]))
 
+    def set_max_model_len(self, max_model_len: int) -> None:
+        positions = self.position_limit(self.config)
+        if max_model_len > positions:
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the {positions} positions this model's "
+                             f"max_position_embeddings covers: it has no learned position beyond that")
+        super().set_max_model_len(max_model_len)
+
+    @staticmethod
+    def position_limit(config: dict) -> int:
+        """The longest prompt the learned position table covers (the engine's max_model_len cap)."""
+        return config["max_position_embeddings"]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embeddings(input_ids, positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, kv_cache, meta)
+                meta: list[AttentionMetadata], token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embeddings(input_ids, positions, token_type_ids)
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, meta):
+            x = layer(x, kv_cache, layer_meta)
         return x
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        prefix = self.checkpoint_renames[0][0]  # "bert." / "roberta."
         super().load_weights((name, tensor) for name, tensor in weights
-                             if not name.removeprefix("bert.").startswith(_SKIPPED))
+                             if not re.sub(prefix, "", name).startswith(_SKIPPED))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from vllmpy.attention.base import AttentionMetadata, AttentionSpec
-from vllmpy.attention.torch_paged import paged_attention
+from vllmpy.attention.layer import PagedAttention
 from vllmpy.layers.activation import gated, get_activation
 from vllmpy.layers.embedding import VocabEmbedding
 from vllmpy.layers.linear import Linear, MergedLinear
@@ -70,6 +70,7 @@ class Attention(nn.Module):
         self.spec = AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim,
                                   scale=scale or self.head_dim ** -0.5, sliding_window=window,
                                   logit_soft_cap=logit_soft_cap, causal=causal)
+        self.attn = PagedAttention(self.spec)
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -83,7 +84,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        out = paged_attention(q, k, v, kv_cache, meta, self.spec)
+        out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -183,19 +184,19 @@ class DecoderModel(nn.Module):
         kinds = sorted({layer.self_attn.layer_type for layer in layers if layer.self_attn.rope})
         self.rotary = nn.ModuleDict({
             kind: RotaryEmbedding(rotary_dim(config, head_dim, kind), rope_parameters(config, kind), max_pos,
-                                  rope_interleaved, config.get("max_model_len")) for kind in kinds})
+                                  rope_interleaved) for kind in kinds})
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: list[AttentionMetadata]) -> torch.Tensor:
         x = self.embed(input_ids)
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions + self.position_offset)
         cos_sin = {kind: rotary.cos_sin(positions, x.dtype) for kind, rotary in self.rotary.items()}
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos_sin.get(layer.self_attn.layer_type), kv_cache, meta)
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, meta):
+            x = layer(x, cos_sin.get(layer.self_attn.layer_type), kv_cache, layer_meta)
         return self.norm(x)
 
 

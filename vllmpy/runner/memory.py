@@ -1,8 +1,10 @@
 """KV pool sizing: --num-blocks, --kv-cache-memory or automatic, with a pre-flight refusal.
 
-Pure arithmetic except `available_memory_bytes`. One block id indexes every layer's cache, so the
-pool's bytes are num_blocks * kv_bytes_per_block(...) and --num-blocks is both the per-layer count and
-the pool's count.
+Pure arithmetic except `available_memory_bytes`. A pool block is one page in each of the layout's
+shared tensors (kv_cache_spec.py), so the pool's bytes are num_blocks * layout.block_bytes. A sequence
+needs blocks in every KV cache group (a sliding-window group only its window's). --num-blocks N keeps
+its per-layer meaning: every layer can hold N blocks at once, so the pool has N blocks per group (one
+group: N, as before).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vllmpy.config import CacheConfig
+from vllmpy.engine.kv_cache_spec import KVCacheLayout
 from vllmpy.errors import KVCacheTooSmallError
 
 if TYPE_CHECKING:
@@ -23,27 +26,26 @@ AUTO_KV_FRACTION = 0.9
 CPU_AUTO_KV_CAP = 4 * 2**30
 
 
-def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                       dtype_bytes: int) -> int:
-    """Bytes of one block across the whole pool: K and V, every layer."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
-
-
-def resolve_num_blocks(cache_config: CacheConfig, bytes_per_block: int, available_bytes: int,
-                       max_model_len: int, block_size: int,
+def resolve_num_blocks(cache_config: CacheConfig, layout: KVCacheLayout, available_bytes: int,
+                       max_model_len: int, max_chunk: int,
                        max_num_seqs: int | None = None, cap_bytes: int | None = None) -> tuple[int, str]:
     """Return (num_blocks, the one INFO line to print). Raises KVCacheTooSmallError before allocating.
 
     Precedence: --num-blocks, then --kv-cache-memory (whole-pool byte budget, never exceeded), then
     automatic: AUTO_KV_FRACTION of `available_bytes` (at most `cap_bytes`), capped at `max_num_seqs`
     full-length sequences when given, since blocks beyond that only keep old prefixes alive and would
-    pin memory for nothing.
+    pin memory for nothing. `max_chunk` is the most tokens one step computes for a request
+    (--max-num-batched-tokens): a sliding window holds its window plus that chunk.
     """
-    blocks_per_seq = -(-max_model_len // block_size)
+    block_size, bytes_per_block = layout.block_size, layout.block_bytes
+    blocks_per_seq = layout.blocks_per_request(max_model_len, max_chunk)
+    num_groups = len(layout.groups)
     if cache_config.num_blocks is not None:
-        num_blocks = cache_config.num_blocks
+        num_blocks = cache_config.num_blocks * num_groups
         source = "--num-blocks"
-        budget = f"--num-blocks {num_blocks}"
+        if num_groups > 1:
+            source += f" {cache_config.num_blocks} per layer x {num_groups} groups"
+        budget = f"--num-blocks {cache_config.num_blocks}"
     elif cache_config.kv_cache_memory is not None:
         num_blocks = cache_config.kv_cache_memory // bytes_per_block
         source = f"--kv-cache-memory {cache_config.kv_cache_memory} B"
@@ -62,16 +64,19 @@ def resolve_num_blocks(cache_config: CacheConfig, bytes_per_block: int, availabl
             source += f", capped at {max_num_seqs} sequences of {max_model_len} tokens"
 
     num_tokens = num_blocks * block_size
-    if num_tokens < max_model_len:
+    groups = layout.describe(max_model_len, max_chunk)
+    if num_blocks < blocks_per_seq:
+        fits = layout.longest_fitting_len(num_blocks, max_chunk, max_model_len)
         raise KVCacheTooSmallError(
-            f"KV cache too small: {num_blocks} blocks x {block_size} tokens = {num_tokens} tokens < "
-            f"max_model_len {max_model_len}, so one full-length sequence cannot fit "
-            f"({bytes_per_block} bytes per block; {budget}). Raise --kv-cache-memory to at least "
-            f"{blocks_per_seq * bytes_per_block} bytes, raise --num-blocks to at least {blocks_per_seq}, "
-            f"or lower --max-model-len to {num_tokens} or less.")
+            f"KV cache too small: {num_blocks} blocks x {block_size} tokens = {num_tokens} tokens, but one "
+            f"sequence of max_model_len {max_model_len} needs {blocks_per_seq} blocks ({groups}; "
+            f"{bytes_per_block} bytes per block; {budget}). Raise --kv-cache-memory to at least "
+            f"{blocks_per_seq * bytes_per_block} bytes, raise --num-blocks to at least "
+            f"{-(-blocks_per_seq // num_groups)}, or lower --max-model-len to {fits} or less.")
     pool_bytes = num_blocks * bytes_per_block
     info = (f"KV cache: {num_blocks} blocks x {block_size} tokens = {num_tokens} tokens, "
-            f"{pool_bytes} bytes ({_gib(pool_bytes)}, {bytes_per_block} B/block) [{source}]")
+            f"{pool_bytes} bytes ({_gib(pool_bytes)}, {bytes_per_block} B/block) [{source}]; {groups}; "
+            f"fits {num_blocks // blocks_per_seq} sequences of {max_model_len} tokens")
     return num_blocks, info
 
 

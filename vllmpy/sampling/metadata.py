@@ -1,12 +1,13 @@
 """Per-step sampling tensors, built once from the rows' Python state so the sampler does no per-row work."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from vllmpy.sampling.penalties import Penalties, build_penalties
+from vllmpy.sampling.penalties import Penalties, TokenCounts, build_penalties
 from vllmpy.sampling_params import SamplingParams
 from vllmpy.structured_output.bitmask import allocate_bitmask
 
@@ -22,9 +23,48 @@ class SamplingRowError(ValueError):
         self.rows = rows
 
 
+class TokenIdsView(Sequence[int]):
+    """A read-only window on a token list the runner keeps growing: no copy per step, no way to edit."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self, ids: list[int]) -> None:
+        self._ids = ids
+
+    def __getitem__(self, index):  # an int, or a slice (a new list: the caller's to keep)
+        return self._ids[index]
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __eq__(self, other: object) -> bool:  # equal to a list or tuple of the same ids
+        if isinstance(other, TokenIdsView):
+            other = other._ids
+        return isinstance(other, (list, tuple)) and len(other) == len(self._ids) and all(
+            a == b for a, b in zip(self._ids, other))
+
+    __hash__ = None  # type: ignore[assignment]  # the ids still grow
+
+    def __repr__(self) -> str:
+        return f"TokenIdsView({self._ids!r})"
+
+
+@dataclass(frozen=True)
+class RowView:
+    """What a logits processor sees of one row: the request's params and its tokens, read-only."""
+
+    params: SamplingParams
+    prompt_token_ids: TokenIdsView
+    output_token_ids: TokenIdsView
+
+
 @dataclass
 class RowState:
-    """What the sampler needs to know about one sampling row (one request)."""
+    """What the sampler needs to know about one sampling row (one request); the runner's, not user code's
+    (logits processors get `view`)."""
 
     params: SamplingParams
     prompt_token_ids: list[int]
@@ -32,6 +72,11 @@ class RowState:
     generator: torch.Generator | None  # the seeded request's own generator; None = default generator
     eos_token_ids: set[int]
     grammar: Grammar | None = None  # the request's structured-output matcher, advanced by the runner
+    counts: TokenCounts | None = None  # penalty statistics, kept across steps (penalties.py)
+    view: RowView = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.view = RowView(self.params, TokenIdsView(self.prompt_token_ids), TokenIdsView(self.output_token_ids))
 
 
 @dataclass
@@ -61,7 +106,7 @@ class SamplingMetadata:
     penalties: Penalties | None
     num_logprobs: list[int | None]  # per row; -1 = whole vocabulary
     logprob_rows: torch.Tensor | None  # int64 indices of rows with num_logprobs set
-    rows: list[RowState]  # what custom logits processors read
+    rows: list[RowView]  # what custom logits processors read
     processor_rows: list[int]  # rows with per-request logits processors
     grammar_bitmask: tuple[torch.Tensor | None, torch.Tensor] | None  # (rows, None = all; int32 [R, W])
 
@@ -84,7 +129,7 @@ class SamplingMetadata:
             penalties=build_penalties(rows, vocab_size, device),
             num_logprobs=num_logprobs,
             logprob_rows=torch.tensor(lp_rows, dtype=torch.int64, device=device) if lp_rows else None,
-            rows=rows,
+            rows=[r.view for r in rows],
             processor_rows=[i for i, r in enumerate(rows) if r.params.logits_processors],
             grammar_bitmask=_build_grammar_bitmask(rows, device),
         )

@@ -21,7 +21,32 @@ class Penalties:
     output_counts: torch.Tensor | None  # [B, V] float32 counts of output tokens (freq/presence rows only)
 
 
+class TokenCounts:
+    """One row's token statistics, kept across steps: each step folds in only the output tokens appended
+    since the last, so its cost does not grow with the context. Ids outside the vocabulary are ignored."""
+
+    def __init__(self, prompt_token_ids: list[int], vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # in prompt or output
+        self.output = torch.zeros(vocab_size, dtype=torch.float32, device=device)  # counts in output
+        self.seen[self._valid(prompt_token_ids)] = True
+        self.num_counted = 0
+
+    def update(self, output_token_ids: list[int]) -> None:
+        new = output_token_ids[self.num_counted:]
+        self.num_counted = len(output_token_ids)
+        if new:
+            ids = self._valid(new)
+            self.seen[ids] = True
+            self.output.index_put_((ids,), torch.ones(ids.shape[0], device=ids.device), accumulate=True)
+
+    def _valid(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([t for t in ids if 0 <= t < self.vocab_size], dtype=torch.int64,
+                            device=self.seen.device)
+
+
 def build_penalties(rows: list[RowState], vocab_size: int, device: torch.device) -> Penalties | None:
+    """Per-row statistics come from each row's TokenCounts (made on its first penalized step)."""
     rep = [r.params.repetition_penalty for r in rows]
     freq = [r.params.frequency_penalty for r in rows]
     pres = [r.params.presence_penalty for r in rows]
@@ -29,15 +54,13 @@ def build_penalties(rows: list[RowState], vocab_size: int, device: torch.device)
     count_rows = [i for i in range(len(rows)) if freq[i] != 0.0 or pres[i] != 0.0]
     if not rep_rows and not count_rows:
         return None
-    seen = None
-    if rep_rows:
-        seen = _token_counts(
-            [rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep_rows],
-            rep_rows, len(rows), vocab_size, device,
-        ) > 0
-    counts = None
-    if count_rows:
-        counts = _token_counts([rows[i].output_token_ids for i in count_rows], count_rows, len(rows), vocab_size, device)
+    for i in sorted(set(rep_rows) | set(count_rows)):
+        row = rows[i]
+        if row.counts is None:
+            row.counts = TokenCounts(row.prompt_token_ids, vocab_size, device)
+        row.counts.update(row.output_token_ids)
+    seen = _stack(rows, rep_rows, "seen", torch.bool, vocab_size, device) if rep_rows else None
+    counts = _stack(rows, count_rows, "output", torch.float32, vocab_size, device) if count_rows else None
 
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
@@ -51,20 +74,14 @@ def build_penalties(rows: list[RowState], vocab_size: int, device: torch.device)
     )
 
 
-def _token_counts(
-    token_lists: list[list[int]], row_ids: list[int], num_rows: int, vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """[num_rows, V] counts; ids outside the vocabulary land in a spare column that is dropped."""
-    flat_rows = [row for row, ids in zip(row_ids, token_lists) for _ in ids]
-    flat_ids = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.int64, device=device)
-    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < vocab_size), flat_ids, vocab_size)
-    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
-    counts.index_put_(
-        (torch.tensor(flat_rows, dtype=torch.int64, device=device), flat_ids),
-        torch.ones(flat_ids.shape[0], dtype=torch.float32, device=device),
-        accumulate=True,
-    )
-    return counts[:, :vocab_size]
+def _stack(rows: list[RowState], picked: list[int], name: str, dtype: torch.dtype, vocab_size: int,
+           device: torch.device) -> torch.Tensor:
+    """[len(rows), V]: the picked rows' statistic `name`, zeros elsewhere."""
+    if len(picked) == len(rows):
+        return torch.stack([getattr(rows[i].counts, name) for i in picked])
+    out = torch.zeros(len(rows), vocab_size, dtype=dtype, device=device)
+    out[picked] = torch.stack([getattr(rows[i].counts, name) for i in picked])
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:

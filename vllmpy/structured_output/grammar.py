@@ -6,13 +6,13 @@ and needs no torch/triton; its per-token cost (~10-40 us a row here) is far belo
 """
 from __future__ import annotations
 
-import json
 import re
 
 import llguidance
 import torch
 
-from vllmpy.structured_output.params import StructuredOutputsParams
+from vllmpy.structured_output.params import StructuredOutputsParams, json_object
+from vllmpy.structured_output.strict import forbid_additional_properties
 
 # llguidance echoes the Lark it wrapped a regex in ("   1 | start: /.../"); the user never wrote that.
 _LARK_ECHO = re.compile(r"\n\s*\d+ \| .*", re.DOTALL)
@@ -25,14 +25,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=json_options)
     if kind == "json":
-        schema = params.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"structured_outputs.json: the schema is not valid JSON ({exc})") from None
-        if not isinstance(schema, dict):
-            raise ValueError(f"structured_outputs.json: a JSON schema must be an object, got {schema!r}")
+        schema = json_object(params.json, "structured_outputs.json", "the schema")
+        if params.disable_additional_properties:
+            schema = forbid_additional_properties(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=json_options)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex)

@@ -5,6 +5,8 @@ from collections import OrderedDict
 
 import llguidance
 
+from vllmpy.structured_output.bitmask import allocate_bitmask
+from vllmpy.structured_output.config import StructuredOutputsConfig
 from vllmpy.structured_output.grammar import Grammar, describe_error, grammar_text
 from vllmpy.structured_output.params import StructuredOutputsParams
 from vllmpy.tokenizer import Tokenizer
@@ -17,10 +19,12 @@ class StructuredOutputManager:
     """Owned by the runner; the engine core calls `validate` when a request is added.
 
     The llguidance tokenizer (~0.3 s for a 49k vocabulary) is built on the first constrained request,
-    so engines that never see one pay nothing.
+    so engines that never see one pay nothing. `config` holds the engine-wide defaults each request gets.
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: set[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: set[int],
+                 config: StructuredOutputsConfig | None = None) -> None:
+        self._config = config or StructuredOutputsConfig()
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = sorted(eos_token_ids)
@@ -45,6 +49,7 @@ class StructuredOutputManager:
 
     def _template(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """The compiled, never-advanced matcher for this spec; requests get deep copies (~10 us)."""
+        params = self._config.apply(params)
         key = params.key()
         matcher = self._compiled.get(key)
         if matcher is not None:
@@ -53,6 +58,9 @@ class StructuredOutputManager:
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar_text(params), log_level=0)
         if matcher.is_error():
             raise ValueError(describe_error(params, matcher.get_error()))
+        if _admits_nothing(matcher, self.bitmask_vocab_size):
+            raise ValueError(describe_error(params, "it matches no text at all (its language is empty), so no "
+                                                    "output could satisfy it"))
         self._compiled[key] = matcher
         if len(self._compiled) > CACHE_SIZE:
             self._compiled.popitem(last=False)
@@ -64,3 +72,15 @@ class StructuredOutputManager:
                 self._tokenizer.backend.to_str(), n_vocab=self.bitmask_vocab_size,
                 eos_token=self._eos_token_ids or None)
         return self._ll_tokenizer
+
+
+def _admits_nothing(matcher: llguidance.LLMatcher, vocab_size: int) -> bool:
+    """No token, EOS included, may start the output: a request under this grammar could not make a step.
+
+    The probe is a copy because computing the first mask leaves an empty grammar's matcher in error; for
+    any other grammar it is the mask the first step would compute anyway (~1 ms on a 49k vocabulary).
+    """
+    probe = matcher.deep_copy()
+    mask = allocate_bitmask(1, vocab_size)
+    probe.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
+    return probe.is_error() or not bool(mask.any())

@@ -9,6 +9,18 @@ from typing import Any
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+def json_object(value: str | dict[str, Any], name: str, what: str) -> dict[str, Any]:
+    """`value`, parsed when it is JSON text; ValueError naming `name` unless it is a JSON object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}: {what} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: {what} must be a JSON object, got {value!r}")
+    return value
+
+
 @dataclass
 class StructuredOutputsParams:
     """One constraint on the generated text.
@@ -16,7 +28,8 @@ class StructuredOutputsParams:
     json: a JSON schema (dict or JSON text); regex: the whole output must match it; choice: the output is
     one of these strings; grammar: a GBNF (llama.cpp) or Lark grammar; json_object: any JSON object.
     disable_any_whitespace: JSON without free whitespace between tokens (small models otherwise may pad
-    with whitespace for a long time).
+    with whitespace for a long time). disable_additional_properties: a JSON schema's objects take only the
+    properties they declare (OpenAI's strict; see strict.py).
     """
 
     json: str | dict[str, Any] | None = None
@@ -25,6 +38,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         chosen = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -45,12 +59,15 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if self.json_object not in (None, True, False):
             raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
-    def key(self) -> tuple[str, str, bool]:
+    def key(self) -> tuple[str, str, bool, bool]:
         """Hashable identity of the constraint: equal keys compile to the same grammar."""
         kind = self.kind
         value = getattr(self, kind)
@@ -60,7 +77,7 @@ class StructuredOutputsParams:
             spec = json.dumps(value)
         else:
             spec = str(value)
-        return kind, spec, self.disable_any_whitespace
+        return kind, spec, self.disable_any_whitespace, self.disable_additional_properties
 
 
 # vLLM's older name for the same parameters (SamplingParams(guided_decoding=GuidedDecodingParams(...))).

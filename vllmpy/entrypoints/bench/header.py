@@ -11,8 +11,6 @@ import torch
 from vllmpy import __version__
 from vllmpy.engine.core import EngineCore
 
-# vllmpy has no --kv-cache-dtype yet: every run asks for `auto`, which stores K/V in the model dtype.
-KV_CACHE_DTYPE_REQUESTED = "auto"
 # The engine lines of the header as labels of Prometheus info gauges (value 1) on the server's /metrics, so
 # `vllm-bench serve` can attribute its figures as the offline modes do. vllm:cache_config_info keeps vLLM's
 # label names (block_size, num_gpu_blocks, enable_prefix_caching, cache_dtype): a vLLM server fills those too.
@@ -76,8 +74,7 @@ def weight_format(core: EngineCore) -> str:
 
 def engine_header(core: EngineCore) -> dict[str, str]:
     config = core.config
-    kv_dtype = dtype_name(core.dtype)
-    page_bytes = torch.tensor([], dtype=core.dtype).element_size()
+    head_dim = core.model.attention_layers()[0].spec.head_dim
     return {
         "vllmpy version": version_line(),
         "Model": core.checkpoint.path,
@@ -91,8 +88,8 @@ def engine_header(core: EngineCore) -> dict[str, str]:
         "Block size": str(config.cache.block_size),
         "KV blocks": str(core.num_blocks),
         "Prefix caching": "on" if config.cache.enable_prefix_caching else "off",
-        "KV cache dtype (requested)": KV_CACHE_DTYPE_REQUESTED,
-        "KV cache dtype (resolved storage)": f"{kv_dtype} ({page_bytes}-byte pages)",
+        "KV cache dtype (requested)": core.kv_cache_dtype.requested,
+        "KV cache dtype (resolved storage)": core.kv_cache_dtype.describe(head_dim),
     }
 
 

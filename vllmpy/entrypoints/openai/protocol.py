@@ -1,28 +1,117 @@
 """Request and response bodies of the HTTP server: OpenAI's fields plus vLLM's extensions, same names.
 
-Requests check JSON types and request-shape rules here; value ranges (temperature, top_p, n, ...) are
-SamplingParams' to enforce, so each rule lives in one place. A JSON null means "not sent", and unknown
-fields are kept for the server to log rather than refused, as vLLM does.
+Requests check JSON types strictly (no "5" for 5, no true for 1) and declare each field's range, so that
+/openapi.json states what the server accepts; SamplingParams enforces the same ranges for the offline API,
+and the limits that depend on the engine (vocabulary, --max-logprobs, --max-num-seqs, max_model_len) are
+checked where the engine is known. A JSON null means "not sent", and unknown fields are kept for the server
+to log rather than refused, as vLLM does.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    GetJsonSchemaHandler,
+    Tag,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
 
 from vllmpy.entrypoints.openai.errors import RequestError
+from vllmpy.entrypoints.openai.json_limits import check_json_body
 
 _INT64 = 2**63
 
 
+def _integer(value: Any) -> Any:
+    """JSON Schema's integer: 5 and 5.0, not true or "5" (which lax ints would take)."""
+    if isinstance(value, (bool, str)):
+        raise ValueError("Input should be a valid integer")
+    return value
+
+
+def _integer_type(**limits: int) -> Any:
+    """A request's integer field: integral numbers within `limits` (the limits sit inside the validator so
+    that the schema shows them as minimum / maximum)."""
+    return Annotated[int, Field(strict=False, **limits), BeforeValidator(_integer)]
+
+
+Int = _integer_type()
+NonNegative = _integer_type(ge=0)
+Positive = _integer_type(ge=1)
+AtLeastMinusOne = _integer_type(ge=-1)  # -1 = "all" (logprobs: the whole vocabulary; top_k: no cut)
+Int64 = _integer_type(ge=-_INT64, lt=_INT64)
+TokenId = NonNegative
+# JSON object keys are strings: a logit_bias key is a token id written in digits (SamplingParams makes it an int).
+_DIGITS = r"^[0-9]+$"
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=_DIGITS)], float], WithJsonSchema(
+    {"type": "object", "propertyNames": {"pattern": _DIGITS}, "additionalProperties": {"type": "number"}})]
+# A list that must not be empty (an empty prompt or token list has nothing to work on).
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Texts = Annotated[list[str], Field(min_length=1)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+PromptInput = Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)], NonEmptyText,
+                    Annotated[list[NonEmptyText], Field(min_length=1)]]
+
+
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_unset(cls, data: Any) -> Any:
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: GetJsonSchemaHandler) -> dict[str, Any]:
+        """The schema says what _null_means_unset does: an optional field may be sent as null."""
+        json_schema = handler(core_schema)
+        target = handler.resolve_ref_schema(json_schema)
+        required = set(target.get("required", ()))
+        for name, prop in target.get("properties", {}).items():
+            if name not in required and prop.get("type") != "null" and {"type": "null"} not in prop.get("anyOf", ()):
+                notes = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
+                target["properties"][name] = {**notes, "anyOf": [prop, {"type": "null"}]}
+        return json_schema
+
+
+class RequestBody(RequestModel):
+    """A route's whole body: checked as a whole (nesting depth, valid Unicode) before any field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_whole_body(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_json_body(data)
+        return data
+
+
+_SENT = {"not": {"type": "null"}}  # null is "not sent"
+
+
+def _when(field: str, value: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """A JSON-schema if/then for a check() rule: when `field` is sent matching `value`, `then` holds."""
+    return {"if": {"required": [field], "properties": {field: value}}, "then": then}
+
+
+def _must_be(field: str, value: Any) -> dict[str, Any]:
+    return {"required": [field], "properties": {field: {"const": value}}}
+
+
+# check()'s field-combination rules, stated in the schema too.
+_SAMPLING_RULES = [
+    _when("stream", {"const": True}, {"properties": {"prompt_logprobs": {"type": "null"}}}),
+    _when("stream_options", _SENT, _must_be("stream", True)),
+]
+_RENDER_RULES = [_when("continue_final_message", {"const": True}, _must_be("add_generation_prompt", False))]
+_CHAT_RULES = [_when("top_logprobs", _SENT, _must_be("logprobs", True))]
 
 
 # ---------------------------------------------------------------- requests
@@ -37,36 +126,41 @@ class JsonSchemaFormat(RequestModel):
     name: str
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow BaseModel's
-    strict: bool | None = None  # the grammar always enforces the schema exactly
+    strict: bool | None = None  # true: no undeclared properties anywhere (structured_output/strict.py)
 
 
 class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    # instructor's non-standard {"type": "json_object", "schema": {...}} (Together's and Anyscale's shape)
+    object_schema: dict[str, Any] | None = Field(None, alias="schema")
 
 
-class SamplingRequest(RequestModel):
+class SamplingRequest(RequestBody):
     """Fields both generation routes share."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": _SAMPLING_RULES})
+
     model: str | None = None  # None = the served model
-    n: int = 1
-    temperature: float | None = None  # None = the checkpoint's generation_config, else 1.0
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    n: Positive = Field(1, description="choices to generate; at most the server's --max-num-seqs")
+    temperature: float | None = Field(None, ge=0)  # None = the checkpoint's generation_config, else 1.0
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: AtLeastMinusOne | None = Field(None, description="0 or -1 = no top-k cut")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    logit_bias: dict[int, float] | None = None
-    min_tokens: int = 0
+    stop_token_ids: list[TokenId] | None = None
+    logit_bias: LogitBias | None = None
+    min_tokens: NonNegative = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
-    priority: int = 0
+    prompt_logprobs: AtLeastMinusOne | None = Field(None, description="top logprobs per prompt token; -1 = the whole "
+                                        "vocabulary; at most the server's --max-logprobs")
+    priority: Int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -75,7 +169,7 @@ class SamplingRequest(RequestModel):
     structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields, checked there
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Texts | None = None
     guided_grammar: str | None = None
 
     def check(self) -> None:
@@ -95,17 +189,25 @@ class SamplingRequest(RequestModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: list[int] | list[list[int]] | str | list[str]
+    prompt: PromptInput
     echo: bool = False
-    suffix: str | None = None
-    logprobs: int | None = None
-    max_tokens: int | None = None  # None = until max_model_len
+    suffix: Annotated[str | None, WithJsonSchema({"type": "null", "description": "not supported"})] = None
+    logprobs: AtLeastMinusOne | None = Field(None, description="top logprobs per generated token; -1 = the whole "
+                                 "vocabulary; at most the server's --max-logprobs")
+    max_tokens: Positive | None = None  # None = until max_model_len
+    best_of: Positive | None = Field(None, description="only best_of == n is served (no ranking of extra samples)")
     add_special_tokens: bool = True
 
     def check(self) -> None:
         super().check()
         if self.suffix is not None:
             raise RequestError("suffix is not supported", "suffix")
+        # best_of > n would rank extra samples by cumulative logprob, which this server does not do.
+        if self.best_of is not None and self.best_of != self.n:
+            relation = "less than" if self.best_of < self.n else "more than"
+            raise RequestError(f"best_of ({self.best_of}) is {relation} n ({self.n}); only best_of equal to n is "
+                               f"supported (it returns all n samples), so leave best_of out or set it to n",
+                               "best_of")
 
 
 class TextContentPart(RequestModel):
@@ -113,19 +215,47 @@ class TextContentPart(RequestModel):
     text: str
 
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessage(RequestModel):
-    role: str  # system, developer, user, assistant, tool, or whatever the template knows
+    model_config = ConfigDict(json_schema_extra={  # the rule _tool_result_names_its_call enforces
+        "if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+        "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}})
+
+    role: ChatRole
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        """An image_url (or other non-text) part is refused by what it is, not as "Input should be 'text'"."""
+        content = data.get("content") if isinstance(data, dict) else None
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} need a multimodal model; this model takes text "
+                                 f"only, so send parts of type 'text' (or content as a string)")
+        return data
 
-class ChatRenderFields(RequestModel):
+    @model_validator(mode="after")
+    def _tool_result_names_its_call(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a message with role 'tool' needs tool_call_id, the id of the assistant's tool call "
+                             "it answers")
+        return self
+
+
+class ChatRenderFields(RequestBody):
     """What it takes to render a conversation into a prompt (chat and /tokenize share it)."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": _RENDER_RULES})
+
     model: str | None = None
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the template already writes BOS and friends
@@ -141,7 +271,8 @@ class ChatRenderFields(RequestModel):
 class FunctionDefinition(RequestModel):
     name: str
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; None = any object
+    parameters: dict[str, Any] | None = None  # a JSON schema; None = no parameters (OpenAI's reading)
+    strict: bool | None = None  # forced calls never write undeclared properties, strict or not
 
 
 class ChatTool(RequestModel):
@@ -159,10 +290,12 @@ class NamedToolChoice(RequestModel):
 
 
 class ChatCompletionRequest(SamplingRequest, ChatRenderFields):
+    model_config = ConfigDict(json_schema_extra={"allOf": _SAMPLING_RULES + _RENDER_RULES + _CHAT_RULES})
+
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_tokens: int | None = None  # OpenAI's older name for max_completion_tokens
-    max_completion_tokens: int | None = None
+    top_logprobs: NonNegative | None = Field(None, description="at most the server's --max-logprobs")
+    max_tokens: Positive | None = None  # OpenAI's older name for max_completion_tokens
+    max_completion_tokens: Positive | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
@@ -202,7 +335,7 @@ class ChatCompletionRequest(SamplingRequest, ChatRenderFields):
                                    f"in tools ({', '.join(names)})", "tool_choice")
 
 
-class TokenizeCompletionRequest(RequestModel):
+class TokenizeCompletionRequest(RequestBody):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
@@ -213,26 +346,33 @@ class TokenizeChatRequest(ChatRenderFields):
     return_token_strs: bool = False
 
 
-TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
+def _tokenize_kind(data: Any) -> str:
+    return "messages" if isinstance(data, dict) and "messages" in data else "prompt"
 
 
-class DetokenizeRequest(RequestModel):
+# A body with messages is a chat render; refusals then name its fields, not the missing prompt.
+TokenizeRequest = Annotated[Union[Annotated[TokenizeCompletionRequest, Tag("prompt")],
+                                  Annotated[TokenizeChatRequest, Tag("messages")]], Discriminator(_tokenize_kind)]
+
+
+class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
-class EmbeddingRequest(RequestModel):
+class EmbeddingRequest(RequestBody):
     """OpenAI's embeddings fields plus vLLM's truncate_prompt_tokens, add_special_tokens, normalize, priority."""
 
     model: str | None = None
-    input: list[int] | list[list[int]] | str | list[str]
+    input: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)], NonEmptyText,
+                 Annotated[list[NonEmptyText], Field(min_length=1)]]  # nothing empty: an empty input has no vector
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None  # Matryoshka models only
+    dimensions: Int | None = None  # Matryoshka models only
     user: str | None = None
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: Int | None = None
     add_special_tokens: bool = True
     normalize: bool | None = None
-    priority: int = 0
+    priority: Int = 0
 
 
 # ---------------------------------------------------------------- responses

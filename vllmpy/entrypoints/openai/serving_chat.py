@@ -130,7 +130,7 @@ class _OutputPlan:
         return ChatOutputParser(self.reasoning, self.tools, self.max_calls)
 
     def adjust(self, params: SamplingParams) -> SamplingParams:
-        if self.tools is not None and self.tools.keeps_special_tokens:
+        if any(parser is not None and parser.keeps_special_tokens for parser in (self.tools, self.reasoning)):
             return params.clone(skip_special_tokens=False)  # the format's markers must reach the parser
         return params
 
@@ -142,7 +142,7 @@ def _plan(request: ChatCompletionRequest, parsers: ChatParsers, template_kwargs:
         if not parsers.auto_tool_choice:
             raise RequestError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                                'set', "tool_choice")
-        plan.tools = parsers.tool_parser()
+        plan.tools = parsers.tool_parser(request.tools)  # the XML formats type values by the tools' schemas
     elif choice == "required":
         try:
             schema = required_schema(request.tools, request.parallel_tool_calls)
@@ -165,8 +165,11 @@ def _plan(request: ChatCompletionRequest, parsers: ChatParsers, template_kwargs:
 
 
 def _tool_grammar(schema: dict[str, Any]) -> Constraint:
-    # Compact JSON: free whitespace lets small models pad a call until max_tokens.
-    return Constraint(StructuredOutputsParams(json=schema, disable_any_whitespace=True), "tools")
+    """Compact JSON with no undeclared properties, strict or not: free whitespace and invented keys let small
+    models pad a call until max_tokens, and the call must end when its arguments object closes (vLLM's
+    default xgrammar backend writes no undeclared property either)."""
+    return Constraint(StructuredOutputsParams(json=schema, disable_any_whitespace=True,
+                                              disable_additional_properties=True), "tools")
 
 
 async def create_chat_completion(ctx: ServingContext, request: ChatCompletionRequest, parsers: ChatParsers = NO_PARSERS

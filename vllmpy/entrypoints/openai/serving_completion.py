@@ -8,7 +8,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, aclosing
 
-from vllmpy.entrypoints.openai.errors import RequestError
 from vllmpy.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs
 from vllmpy.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -57,10 +56,8 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest
 
 
 def _engine_prompts(ctx: ServingContext, request: CompletionRequest) -> list[dict]:
-    prompt = request.prompt
-    items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
-    if not items:
-        raise RequestError("prompt must not be empty", "prompt")
+    prompt = request.prompt  # never an empty list (the schema's minItems)
+    items = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
     return [{"prompt": item, "prompt_token_ids": ctx.encode(item, request.add_special_tokens, "prompt")}
             if isinstance(item, str) else {"prompt_token_ids": list(item)} for item in items]
 

@@ -20,10 +20,10 @@ async def create_embedding(ctx: ServingContext, request: EmbeddingRequest) -> Em
     ctx.check_model(request.model)
     request_id = random_id("embd")
     try:
-        params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize,
+        params = PoolingParams(task="embed", dimensions=request.dimensions, normalize=request.normalize,
                                truncate_prompt_tokens=request.truncate_prompt_tokens)
-        prompts = _engine_prompts(ctx, request)
-        outputs = await _encode_all(ctx, prompts, params, request_id, request.priority)
+        prompts = engine_prompts(ctx, request)
+        outputs = await encode_all(ctx, prompts, params, request_id, request.priority)
     except ValueError as exc:
         raise RequestError(str(exc), _param_of(str(exc))) from exc
     data = []
@@ -31,12 +31,12 @@ async def create_embedding(ctx: ServingContext, request: EmbeddingRequest) -> Em
         if output.error is not None:
             raise RequestError(f"embedding failed inside the engine: {output.error}", None,
                                HTTPStatus.INTERNAL_SERVER_ERROR)
-        data.append(EmbeddingData(index=i, embedding=_encode(output.outputs.embedding, request.encoding_format)))
+        data.append(EmbeddingData(index=i, embedding=encode_vector(output.outputs.embedding, request.encoding_format)))
     num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     return EmbeddingResponse(id=request_id, model=ctx.model_name, data=data, usage=usage_info(num_tokens, 0))
 
 
-def _engine_prompts(ctx: ServingContext, request: EmbeddingRequest) -> list[dict]:
+def engine_prompts(ctx: ServingContext, request: EmbeddingRequest) -> list[dict]:
     """Each input as engine prompt; texts are tokenized here (truncated from the left, keeping the
     special tokens, when truncate_prompt_tokens asks), token ids go as they are."""
     value = request.input
@@ -57,11 +57,13 @@ def _engine_prompts(ctx: ServingContext, request: EmbeddingRequest) -> list[dict
     return prompts
 
 
-async def _encode_all(ctx: ServingContext, prompts: list[dict], params: PoolingParams, request_id: str,
-                      priority: int) -> list[EmbeddingRequestOutput]:
-    """Submit every input at once; one refusal (or the client leaving) aborts the rest."""
-    tasks = [asyncio.ensure_future(ctx.engine.encode(p, params, f"{request_id}-{i}", priority))
-             for i, p in enumerate(prompts)]
+async def encode_all(ctx: ServingContext, prompts: list[dict], params: PoolingParams | list[PoolingParams],
+                     request_id: str, priority: int) -> list[EmbeddingRequestOutput]:
+    """Submit every input at once (`params`: shared, or one per prompt); one refusal (or the client
+    leaving) aborts the rest."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    tasks = [asyncio.ensure_future(ctx.engine.encode(p, q, f"{request_id}-{i}", priority))
+             for i, (p, q) in enumerate(zip(prompts, each))]
     try:
         return await asyncio.gather(*tasks)
     except BaseException:
@@ -71,7 +73,7 @@ async def _encode_all(ctx: ServingContext, prompts: list[dict], params: PoolingP
         raise
 
 
-def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
+def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":  # OpenAI's: little-endian float32 bytes
         return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
     return vector

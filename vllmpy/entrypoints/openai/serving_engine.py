@@ -52,6 +52,7 @@ class ServingContext:
         self.model_root = model_root
         self.max_model_len: int = engine.engine.core.max_model_len
         self.vocab_size: int = engine.engine.core.vocab_size
+        self.max_num_seqs: int = engine.engine.core.config.scheduler.max_num_seqs
         # A text longer than this needs more than max_model_len tokens, so it is refused before tokenizing.
         self.max_prompt_bytes = self.max_model_len * longest_token_bytes(self.tokenizer)
         self.default_params = engine.engine.default_sampling_params
@@ -95,6 +96,9 @@ class ServingContext:
                         prompt_logprobs: int | None, renames: dict[str, str],
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """The request's SamplingParams; a value out of range is refused naming the request's field."""
+        if request.n > self.max_num_seqs:  # one request may not outnumber a step's sequences (n=10000 ran minutes)
+            raise RequestError(f"n must be at most {self.max_num_seqs} (the server's --max-num-seqs, the most "
+                               f"sequences the engine runs at once), got {request.n}", "n")
         model_defaults = {k: getattr(self.default_params, k) for k in _MODEL_DEFAULTS}
         sent = {k: v for k in _MODEL_DEFAULTS if (v := getattr(request, k)) is not None}
         bias = {t: max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, v)) for t, v in (request.logit_bias or {}).items()}
@@ -109,7 +113,7 @@ class ServingContext:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 structured_outputs=structured_outputs)
         except ValueError as exc:
-            raise RequestError(str(exc), _param_of(str(exc), request, renames)) from exc
+            raise _refusal(exc, request, renames) from exc
 
     def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
         """Refuse a budget the context cannot hold (an over-long prompt is the engine's to refuse)."""
@@ -130,7 +134,7 @@ class ServingContext:
         try:
             await stream.wait_first()
         except ValueError as exc:
-            raise RequestError(str(exc), _param_of(str(exc), request, renames)) from exc
+            raise _refusal(exc, request, renames) from exc
         return stream
 
     def stop(self) -> None:
@@ -193,6 +197,16 @@ def check_finished(output: RequestOutput) -> None:
     if output.error is not None:
         raise RequestError(f"generation failed inside the engine: {output.error}", None,
                            HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
+def _refusal(exc: ValueError, request: SamplingRequest, renames: dict[str, str]) -> RequestError:
+    """A SamplingParams or engine refusal in the request's own words: a message that starts with a renamed
+    field ("logprobs asks for 21 ...") says the route's name for it ("top_logprobs asks for 21 ...")."""
+    message = str(exc)
+    word, space, rest = message.partition(" ")
+    if word in renames:
+        message = renames[word] + space + rest
+    return RequestError(message, _param_of(str(exc), request, renames))
 
 
 def _param_of(message: str, request: SamplingRequest, renames: dict[str, str]) -> str | None:

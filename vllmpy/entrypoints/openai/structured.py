@@ -26,7 +26,13 @@ class Constraint:
 def request_constraint(request: SamplingRequest) -> Constraint | None:
     """The request's constraint, or None; 400 when several fields set one or the spec is malformed."""
     sent = [name for name in _FIELDS if getattr(request, name) is not None]
-    if request.response_format is not None and request.response_format.type == "text":
+    response_format = request.response_format
+    if (response_format is not None and response_format.object_schema is not None
+            and response_format.type != "json_object"):
+        raise RequestError(f'response_format.schema is read only with type "json_object", not '
+                           f'"{response_format.type}"; a "json_schema" format carries its schema in '
+                           'json_schema.schema', "response_format")
+    if response_format is not None and response_format.type == "text":
         sent.remove("response_format")  # plain text: no constraint
     if len(sent) > 1:
         raise RequestError(f"{', '.join(sent)} each constrain the output; send only one of them", sent[1])
@@ -53,10 +59,14 @@ def _params(request: SamplingRequest, field: str) -> StructuredOutputsParams:
 
 
 def _from_response_format(response_format: ResponseFormat) -> StructuredOutputsParams:
+    """OpenAI's json_object and json_schema (strict: no undeclared properties), and instructor's json_object
+    with a `schema` beside the type, which constrains the output like a json_schema would."""
     if response_format.type == "json_object":
+        if response_format.object_schema is not None:
+            return StructuredOutputsParams(json=response_format.object_schema)
         return StructuredOutputsParams(json_object=True)
     spec = response_format.json_schema
     if spec is None or spec.json_schema is None:
         raise ValueError('response_format of type "json_schema" needs json_schema.schema, the JSON schema '
                          'the output must follow')
-    return StructuredOutputsParams(json=spec.json_schema)
+    return StructuredOutputsParams(json=spec.json_schema, disable_additional_properties=bool(spec.strict))

@@ -23,6 +23,11 @@ class ReasoningSplit:
 class ReasoningParser:
     start_markers: ClassVar[tuple[str, ...]]
     end_markers: ClassVar[tuple[str, ...]]
+    # Whether the markers are special tokens the detokenizer must keep (as for tool parsers).
+    keeps_special_tokens: ClassVar[bool] = False
+    # Tags some families put around the answer after the reasoning (Hunyuan's <answer>, ERNIE's
+    # <response>): not part of the content.
+    answer_tags: ClassVar[tuple[str, str] | None] = None
 
     def __init__(self, chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
         # The request's template variables (server defaults under the request's own), e.g. enable_thinking.
@@ -46,10 +51,22 @@ class ReasoningParser:
         ends = [(at, m) for m in self.end_markers if (at := body.find(m)) >= 0]
         if ends:
             at, marker = min(ends)
-            return ReasoningSplit(body[:at].strip(), body[at + len(marker):].lstrip())
+            return ReasoningSplit(body[:at].strip(), self._answer(body[at + len(marker):].lstrip(), final))
         if not final:  # hold back what may be the start of an end marker, and trailing whitespace
             body = body[:partial_marker_at(body, self.end_markers)]
         return ReasoningSplit(body.strip())
+
+    def _answer(self, content: str, final: bool) -> str:
+        """The content without the answer tags around it; held back while it may still open with them."""
+        if self.answer_tags is None:
+            return content
+        opening, closing = self.answer_tags
+        if not content.startswith(opening):
+            return "" if not final and opening.startswith(content) else content
+        inner = content[len(opening):].lstrip()
+        if (at := inner.find(closing)) >= 0:
+            return inner[:at].rstrip()
+        return inner if final else inner[:partial_marker_at(inner, (closing,))].rstrip()
 
 
 class ReasoningStream:

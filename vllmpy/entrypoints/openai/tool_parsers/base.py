@@ -13,7 +13,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -23,6 +23,7 @@ class CallDraft:
     name: str | None  # None until the whole name has been written
     arguments: str = ""
     complete: bool = False
+    id: str | None = None  # the model's own call id, for formats that write one (Kimi K2)
 
 
 @dataclass
@@ -39,6 +40,17 @@ class ToolParser(ABC):
     # Whether the format's markers are special tokens the detokenizer must keep (the server then sets
     # skip_special_tokens=False for requests this parser reads, as vLLM does).
     keeps_special_tokens: ClassVar[bool] = False
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        # The request's tools: formats that write argument values as bare text (the XML families) read
+        # each parameter's JSON-schema type from them, as vLLM does.
+        self._properties = {tool["function"]["name"]: (tool["function"].get("parameters") or {}).get("properties")
+                            or {} for tool in tools or [] if "function" in tool}
+
+    def parameter_schema(self, function: str, parameter: str) -> dict[str, Any] | None:
+        """The declared JSON schema of one parameter, or None when the request does not declare it."""
+        schema = self._properties.get(function, {}).get(parameter)
+        return schema if isinstance(schema, dict) else None
 
     @abstractmethod
     def extract(self, text: str, final: bool) -> Extraction:
@@ -58,6 +70,8 @@ class SectionToolParser(ToolParser):
     markers: ClassVar[tuple[str, ...]] = ()
     # True when calls must open the output (after whitespace); no content may precede them.
     leading_only: ClassVar[bool] = False
+    # Markers that open a section only at the output's start, beside `markers` that open one anywhere.
+    leading_markers: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def parse_calls(self, text: str, at: int) -> list[CallDraft]:
@@ -76,19 +90,26 @@ class SectionToolParser(ToolParser):
             return Extraction(text)
         return Extraction(content, calls)
 
+    def _leading(self) -> tuple[str, ...]:
+        return self.markers if self.leading_only else self.leading_markers
+
     def _section_start(self, text: str) -> int | None:
+        lead = len(text) - len(text.lstrip())
+        if text.startswith(self._leading(), lead):
+            return lead
         if self.leading_only:
-            at = len(text) - len(text.lstrip())
-            return at if text.startswith(self.markers, at) else None
+            return None
         found = [i for marker in self.markers if (i := text.find(marker)) >= 0]
         return min(found) if found else None
 
     def _held_content(self, text: str) -> str:
         """Content that stays content whatever follows: not a marker's beginning, nor trailing whitespace
         (stripped when a call follows)."""
+        rest = text.lstrip()
+        if any(marker.startswith(rest) for marker in self._leading()):
+            return ""
         if self.leading_only:
-            rest = text.lstrip()
-            return "" if any(marker.startswith(rest) for marker in self.markers) else text
+            return text
         return text[:partial_marker_at(text, self.markers)].rstrip()
 
 
@@ -158,7 +179,8 @@ class ToolCallStream:
                 break  # later calls wait for this one's name, so indexes go out in order
             if index == len(self._arguments_sent):
                 self._arguments_sent.append(len(call.arguments))
-                out.tool_calls.append(ToolCallDelta(index, call.arguments, self._parser.new_call_id(), call.name))
+                call_id = call.id or self._parser.new_call_id()
+                out.tool_calls.append(ToolCallDelta(index, call.arguments, call_id, call.name))
             elif len(call.arguments) > self._arguments_sent[index]:
                 out.tool_calls.append(ToolCallDelta(index, call.arguments[self._arguments_sent[index]:]))
                 self._arguments_sent[index] = len(call.arguments)

@@ -1,6 +1,7 @@
 """tool_choice "required" and named functions: the JSON schema that forces a call, and the parser that
 reads the forced output. vLLM's shapes: required is an array of {"name", "parameters"} objects, one
-schema branch per tool; a named function's output is its arguments object alone."""
+schema branch per tool; a named function's output is its arguments object alone. The grammar is compiled
+closed (serving_chat's _tool_grammar), so the arguments hold only declared properties."""
 from __future__ import annotations
 
 from typing import Any
@@ -14,7 +15,8 @@ from vllmpy.entrypoints.openai.tool_parsers.base import (
 )
 from vllmpy.entrypoints.openai.tool_parsers.json_text import calls_in_array
 
-_ANY_OBJECT = {"type": "object", "properties": {}}
+# A function without `parameters`: OpenAI's empty parameter list, so the closed grammar allows only {}.
+_NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
@@ -22,7 +24,7 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
     branches, defs = [], {}
     for tool in tools:
         function = tool["function"]
-        parameters = dict(function.get("parameters") or _ANY_OBJECT)
+        parameters = dict(function.get("parameters") or _NO_PARAMETERS)
         for name, definition in parameters.pop("$defs", {}).items():
             if defs.setdefault(name, definition) != definition:
                 raise ValueError(f"tools define $defs.{name} differently; tool_choice \"required\" needs "
@@ -39,7 +41,7 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
 
 
 def named_schema(tool: dict[str, Any]) -> dict[str, Any]:
-    return tool["function"].get("parameters") or _ANY_OBJECT
+    return tool["function"].get("parameters") or _NO_PARAMETERS
 
 
 class RequiredToolParser(SectionToolParser):
@@ -54,6 +56,7 @@ class NamedToolParser(ToolParser):
     """The whole output is the named function's arguments."""
 
     def __init__(self, function: str) -> None:
+        super().__init__()
         self.function = function
 
     def extract(self, text: str, final: bool) -> Extraction:

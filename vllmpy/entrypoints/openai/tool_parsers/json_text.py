@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, ClassVar
 
-from vllmpy.entrypoints.openai.tool_parsers.base import CallDraft, ToolSyntaxError
+from vllmpy.entrypoints.openai.tool_parsers.base import CallDraft, SectionToolParser, ToolSyntaxError
 
 _WHITESPACE = re.compile(r"\s*")
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
@@ -148,3 +148,70 @@ def calls_in_array(text: str, i: int, argument_keys: tuple[str, ...]) -> list[Ca
             break
         j = next_item(text, end)
     return calls
+
+
+class MarkedJsonToolParser(SectionToolParser):
+    """The small JSON families: a marker, then a JSON array of call objects or a single call object.
+
+    Subclasses name the markers (the first that matches is skipped, so list longer ones first) and the
+    keys that may hold a call's arguments.
+    """
+
+    argument_keys: ClassVar[tuple[str, ...]] = ("arguments",)
+
+    def parse_calls(self, text: str, at: int) -> list[CallDraft]:
+        marker = next(m for m in self.markers + self.leading_markers if text.startswith(m, at))
+        j = skip_ws(text, at + (0 if marker in ("[", "{") else len(marker)))
+        if j >= len(text):
+            return []
+        if text[j] == "[":
+            return calls_in_array(text, j, self.argument_keys)
+        if text[j] == "{":
+            return [call_from_object(text, j, self.argument_keys)[0]]
+        raise ToolSyntaxError(f"expected a JSON array or object of calls after {marker!r}")
+
+
+class DelimitedJsonToolParser(SectionToolParser):
+    """A section of calls each written CALL_BEGIN header HEADER_END {arguments} CALL_END (DeepSeek V3 /
+    V3.1, Kimi K2); subclasses say what the header names."""
+
+    call_begin: ClassVar[str]
+    header_end: ClassVar[str]
+    call_end: ClassVar[str]
+
+    def header_call(self, header: str) -> CallDraft:
+        """The call a complete header names; ToolSyntaxError if it names none."""
+        name = header.strip()
+        if not name:
+            raise ToolSyntaxError(f"expected a function name after {self.call_begin}")
+        return CallDraft(name)
+
+    def arguments_at(self, text: str, k: int) -> int | None:
+        """Where the arguments object opens, from the first non-space after the header; None while unknown."""
+        return k
+
+    def parse_calls(self, text: str, at: int) -> list[CallDraft]:
+        calls: list[CallDraft] = []
+        j = at + len(next(m for m in self.markers if text.startswith(m, at)))
+        while True:
+            j = skip_ws(text, j)
+            if not text.startswith(self.call_begin, j):
+                return calls  # the section's end marker, or it has not arrived yet
+            sep = text.find(self.header_end, j)
+            if sep < 0:
+                return calls + [CallDraft(None)]
+            call = self.header_call(text[j + len(self.call_begin):sep])
+            calls.append(call)
+            k = self.arguments_at(text, skip_ws(text, sep + len(self.header_end)))
+            if k is None or k >= len(text):
+                return calls
+            if text[k] != "{":
+                raise ToolSyntaxError(f"expected JSON arguments for {call.name!r}")
+            end = value_end(text, k)
+            call.arguments, call.complete = text[k:end], end is not None
+            if end is None:
+                return calls
+            j = text.find(self.call_end, end)
+            if j < 0:
+                return calls
+            j += len(self.call_end)

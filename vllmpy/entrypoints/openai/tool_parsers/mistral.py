@@ -1,6 +1,8 @@
 """Mistral: optional content, then `[TOOL_CALLS]` (a control token) and either a JSON array of
-{"name", "arguments"} (tokenizer v3-v7) or `name{...}` / `name[ARGS]{...}` per call (v11+), each call
-behind its own `[TOOL_CALLS]`. Mistral templates only accept 9-character alphanumeric call ids."""
+{"name", "arguments"} (tokenizer v3-v7) or, from tokenizer v11 (Mistral Small 3.2, Magistral, Devstral),
+`name[ARGS]{...}` per call behind its own `[TOOL_CALLS]`, with `name[CALL_ID]id[ARGS]{...}` when the
+model writes the id, and `name{...}` as older fine-tunes write it. Mistral templates only accept
+9-character alphanumeric call ids."""
 from __future__ import annotations
 
 import random
@@ -13,6 +15,7 @@ from vllmpy.entrypoints.openai.tool_parsers.json_text import calls_in_array, ski
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
+CALL_ID = "[CALL_ID]"
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -39,17 +42,23 @@ class MistralToolParser(SectionToolParser):
             k = name.end()
             if k == len(text):  # the name may still grow
                 return calls + [CallDraft(None)]
+            call_id = None
+            if text.startswith(CALL_ID, k):
+                args_at = text.find(ARGS, k)
+                if args_at < 0:
+                    return calls + [CallDraft(None)]  # the id is still being written
+                call_id, k = text[k + len(CALL_ID):args_at].strip(), args_at
             if text.startswith(ARGS, k):
                 k += len(ARGS)
-            elif ARGS.startswith(text[k:]):
-                return calls + [CallDraft(name.group())]
+            elif ARGS.startswith(text[k:]) or CALL_ID.startswith(text[k:]):
+                return calls + [CallDraft(None)]
             k = skip_ws(text, k)
             if k >= len(text):
-                return calls + [CallDraft(name.group())]
+                return calls + [CallDraft(name.group(), id=call_id)]
             if text[k] != "{":
                 raise ToolSyntaxError(f"expected JSON arguments after {name.group()!r}")
             end = value_end(text, k)
-            calls.append(CallDraft(name.group(), text[k:end], complete=end is not None))
+            calls.append(CallDraft(name.group(), text[k:end], complete=end is not None, id=call_id))
             if end is None:
                 return calls
             at = skip_ws(text, end)

@@ -1,0 +1,73 @@
+"""Loading a quantized checkpoint never holds a dense copy: the peak RSS that its quantized layers add is at
+most 1.3x their share of the file plus their share of the KV pool (16 blocks of 16 tokens). Measured in child processes as the
+difference between a 1-layer and a 9-layer GPTQ int4 checkpoint of one shape (same tokenizer, embeddings
+and interpreter), so the interpreter's own memory cancels."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+HIDDEN, INTERMEDIATE, GROUP = 1024, 4096, 128
+SHAPES = {"self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (256, HIDDEN), "self_attn.v_proj": (256, HIDDEN),
+          "self_attn.o_proj": (HIDDEN, HIDDEN), "mlp.gate_proj": (INTERMEDIATE, HIDDEN),
+          "mlp.up_proj": (INTERMEDIATE, HIDDEN), "mlp.down_proj": (HIDDEN, INTERMEDIATE)}
+CHILD = """
+import sys
+from vllmpy import LLM
+llm = LLM(model=sys.argv[1], dtype="float32", num_blocks=16, block_size=16)
+with open("/proc/self/status") as f:
+    print(next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024)
+"""
+
+
+def _write(out: Path, layers: int, tokenizer_dir: str) -> int:
+    """A GPTQ int4 (group 128, asymmetric) Llama with random codes; returns the file size."""
+    g = torch.Generator().manual_seed(layers)
+    out.mkdir()
+    tensors = {"model.embed_tokens.weight": torch.randn(256, HIDDEN, generator=g) * 0.02,
+               "model.norm.weight": torch.ones(HIDDEN)}
+    for i in range(layers):
+        prefix = f"model.layers.{i}"
+        tensors[f"{prefix}.input_layernorm.weight"] = torch.ones(HIDDEN)
+        tensors[f"{prefix}.post_attention_layernorm.weight"] = torch.ones(HIDDEN)
+        for module, (rows, cols) in SHAPES.items():
+            groups = cols // GROUP
+            tensors[f"{prefix}.{module}.qweight"] = torch.randint(-2 ** 31, 2 ** 31 - 1, (cols // 8, rows),
+                                                                  generator=g, dtype=torch.int32)
+            tensors[f"{prefix}.{module}.qzeros"] = torch.randint(-2 ** 31, 2 ** 31 - 1, (groups, rows // 8),
+                                                                 generator=g, dtype=torch.int32)
+            tensors[f"{prefix}.{module}.scales"] = (torch.rand(groups, rows, generator=g) * 1e-3).half()
+            tensors[f"{prefix}.{module}.g_idx"] = (torch.arange(cols) // GROUP).to(torch.int32)
+    save_file(tensors, str(out / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
+              "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 256,
+              "max_position_embeddings": 256, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
+              "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": False,
+                                      "desc_act": False}}
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "tokenizer.json").write_bytes((Path(tokenizer_dir) / "tokenizer.json").read_bytes())
+    return (out / "model.safetensors").stat().st_size
+
+
+def _peak_rss(model_dir: Path) -> int:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one malloc arena: other threads' arenas make the peak noisy
+    result = subprocess.run([sys.executable, "-c", CHILD, str(model_dir)], capture_output=True, text=True, timeout=120,
+                            env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return int(result.stdout.split()[-1])
+
+
+def test_peak_rss_within_1_3x_of_the_quantized_file(smollm2_tokenizer_dir, tmp_path):
+    small = _write(tmp_path / "one", 1, smollm2_tokenizer_dir)
+    large = _write(tmp_path / "nine", 9, smollm2_tokenizer_dir)
+    added_file = large - small  # 8 layers: ~63 MB of qweight / qzeros / scales
+    added_rss = _peak_rss(tmp_path / "nine") - _peak_rss(tmp_path / "one")
+    added_kv = 8 * 2 * 4 * (HIDDEN // 16) * 4 * 16 * 16  # layers x (k, v) x kv heads x head_dim x fp32 x tokens
+    print(f"8 GPTQ int4 layers: file +{added_file / 2**20:.1f} MiB, peak RSS +{added_rss / 2**20:.1f} MiB")
+    assert added_rss <= 1.3 * added_file + added_kv

@@ -1,0 +1,85 @@
+"""Attention backends: what runs a layer's paged attention, picked once per engine for its device.
+
+A backend builds the step's metadata (one per KV cache group) and runs every attention layer on it; the
+metadata names the backend that built it, so a layer needs no global to find it. Adding a backend (a
+CUDA one) adds a class and a name in BACKENDS. `VLLMPY_ATTENTION_BACKEND` overrides the choice.
+"""
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from vllmpy.attention.base import AttentionMetadata, AttentionSpec
+from vllmpy.attention.torch_paged import paged_attention
+from vllmpy.kernels import attention_kernels
+
+BACKEND_ENV = "VLLMPY_ATTENTION_BACKEND"
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+
+    def build_metadata(self, **layout) -> AttentionMetadata:
+        """One KV cache group's metadata for this step (fields: AttentionMetadata's)."""
+        return AttentionMetadata(**layout, backend=self)
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
+        """Write this step's K/V into the layer's cache and attend: q [T, heads, dim] -> [T, heads, dim]."""
+
+    @classmethod
+    def supports(cls, device: torch.device) -> str | None:
+        """None if the backend runs on `device`, else why not."""
+        return None
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Portable: plain torch on any device, decode rows over a gathered copy of their blocks."""
+
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, meta, spec, use_kernel=False)
+
+
+class CPUAttentionBackend(AttentionBackend):
+    """The CPU's: decode rows through the C kernel reading the cache in place (the torch path for a
+    cache it does not read), prefill rows as the torch backend."""
+
+    name = "cpu"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, meta, spec, use_kernel=True)
+
+    @classmethod
+    def supports(cls, device: torch.device) -> str | None:
+        if device.type != "cpu":
+            return f"it runs on the CPU only, not on {device}"
+        if attention_kernels() is None:
+            return "its C kernel did not build here"
+        return None
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    backend.name: backend for backend in (CPUAttentionBackend, TorchAttentionBackend)}
+
+
+def select_backend(device: torch.device) -> AttentionBackend:
+    """VLLMPY_ATTENTION_BACKEND when set (refused where it cannot run), else the first in BACKENDS that
+    supports the device."""
+    requested = os.environ.get(BACKEND_ENV)
+    if requested:
+        if requested not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={requested!r} is not an attention backend; choose one of "
+                             f"{', '.join(BACKENDS)}")
+        reason = BACKENDS[requested].supports(device)
+        if reason is not None:
+            raise ValueError(f"{BACKEND_ENV}={requested}: {reason}; choose another of {', '.join(BACKENDS)}")
+        return BACKENDS[requested]()
+    return next(cls() for cls in BACKENDS.values() if cls.supports(device) is None)

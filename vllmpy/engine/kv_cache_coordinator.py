@@ -1,0 +1,148 @@
+"""The scheduler's one view of the KV cache: every group's manager over one BlockPool.
+
+The scheduler asks for a request's prefix hit, allocates slots, publishes computed blocks and frees;
+the coordinator answers for all groups at once and never lets the scheduler see a layer kind. A prefix
+hit is the longest length every group can serve (each kind decides what it needs to hold for it).
+Allocation is all or nothing across groups. Blocks are published to the cache once their tokens are
+computed, for prompt and generated tokens alike, so a preempted request or a follow-up turn finds them.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vllmpy.engine.kv_cache import BlockHash, BlockKey, BlockPool, KVBlock, block_key, extend_chain_hashes
+from vllmpy.engine.kv_cache_managers import manager_for
+from vllmpy.engine.kv_cache_spec import KVCacheConfig
+from vllmpy.engine.request import Request
+
+# One list per group, one entry per block position (None: a position the group need not hold).
+GroupBlocks = tuple[list[KVBlock | None], ...]
+
+
+class KVCacheCoordinator:
+    def __init__(self, config: KVCacheConfig, enable_caching: bool) -> None:
+        self.block_size = config.block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(config.num_blocks, enable_caching)
+        self.managers = tuple(manager_for(group.spec, self.pool, index) for index, group in enumerate(config.groups))
+        self._no_hit: GroupBlocks = tuple([] for _ in self.managers)
+        self._hashes: dict[str, list[BlockHash]] = {}  # chain hashes of the request's full blocks
+        # Leading blocks already offered to the cache; a request is known here from its first allocation.
+        self._num_published: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up, counted once per admission
+        self.prefix_cache_hits = 0  # of those, tokens found in the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table in every group."""
+        return tuple(manager.block_ids(request_id) for manager in self.managers)
+
+    def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
+        """Longest cached prefix every group can serve, as (blocks per group, num_tokens). Pure lookup.
+
+        Never the whole sequence: the last token must be computed to have logits to sample from.
+        Skipped for prompt_logprobs, which need every prompt position computed (as vLLM).
+        """
+        if not self._looks_up(request):
+            return self._no_hit, 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._chain_hashes(request, max_blocks)
+        keys: dict[int, BlockKey] = {}
+
+        def key_of(index: int) -> BlockKey:
+            if index not in keys:
+                keys[index] = block_key(hashes, request.all_token_ids, self.block_size, index)
+            return keys[index]
+
+        # Each group may shorten the hit; a shorter length must be rechecked by the others (a window's
+        # blocks are not a prefix), until every group agrees.
+        num_blocks = max_blocks
+        while True:
+            hits = tuple(manager.find_hit(hashes, num_blocks, key_of) for manager in self.managers)
+            shortest = min(len(blocks) for blocks in hits)
+            if all(len(blocks) == num_blocks for blocks in hits):
+                return hits, num_blocks * self.block_size
+            num_blocks = shortest
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: GroupBlocks = ()) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens in every group; False (nothing taken)
+        if the pool is short. Blocks no future query can see are returned first either way.
+
+        `computed_blocks` is the prefix hit from get_computed_blocks, passed on the request's first
+        allocation (its num_computed_tokens still excludes them).
+        """
+        req_id = request.request_id
+        hits = computed_blocks or self._no_hit
+        num_hit_blocks = len(hits[0])
+        num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
+        num_tokens = num_computed + num_new_tokens
+        for manager in self.managers:
+            manager.remove_skipped_blocks(req_id, num_computed)
+        needed = sum(manager.num_blocks_to_allocate(req_id, num_tokens, blocks)
+                     for manager, blocks in zip(self.managers, hits))
+        if needed > self.pool.num_free_blocks:
+            return False
+        if req_id not in self._num_published:  # first allocation: take the hit, count the lookup, once
+            for manager, blocks in zip(self.managers, hits):
+                manager.add_hits(req_id, blocks)
+            self._record_lookup(request, num_hit_blocks)
+            self._num_published[req_id] = num_hit_blocks
+        for manager in self.managers:
+            manager.allocate(req_id, num_tokens)
+        return True
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the request's blocks that became full now that `num_computed_tokens` are computed."""
+        if not self.enable_caching:
+            return
+        num_full = num_computed_tokens // self.block_size
+        start = self._num_published.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._chain_hashes(request, num_full)
+        keys = [block_key(hashes, request.all_token_ids, self.block_size, index) for index in range(start, num_full)]
+        for manager in self.managers:
+            manager.cache_blocks(request.request_id, hashes, keys, start)
+        self._num_published[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release all of the request's blocks in every group (finished, aborted or preempted)."""
+        tables = [manager.pop(request.request_id) for manager in self.managers]
+        self._hashes.pop(request.request_id, None)
+        self._num_published.pop(request.request_id, None)
+        self.pool.free(_tail_first(tables))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def _looks_up(self, request: Request) -> bool:
+        return self.enable_caching and (request.is_pooling or request.sampling_params.prompt_logprobs is None)
+
+    def _record_lookup(self, request: Request, num_hit_blocks: int) -> None:
+        if self._looks_up(request):
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_blocks * self.block_size
+
+    def _chain_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """Hashes of the first `num_blocks` full blocks, extended incrementally as tokens arrive."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        return extend_chain_hashes(hashes, request.all_token_ids, self.block_size, num_blocks)
+
+
+def _tail_first(tables: Sequence[list[KVBlock | None]]) -> list[KVBlock]:
+    """Blocks in eviction order: the last position of every group first. A request's last blocks are
+    the least likely to be shared, and a hit needs its position in every group."""
+    length = max((len(table) for table in tables), default=0)
+    return [table[index] for index in range(length - 1, -1, -1) for table in tables
+            if index < len(table) and table[index] is not None]

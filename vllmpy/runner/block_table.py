@@ -1,0 +1,61 @@
+"""Persistent block tables: one int64 row per running request and KV cache group, kept across steps.
+
+A request's table only grows while it runs (a sliding window turns entries it left into placeholders,
+but those positions are never read again), so each step appends the entries past what the row holds
+and the step's [rows, width] table is one index_select, instead of padding and converting every
+request's whole table from Python lists each step (vLLM's BlockTable does the same).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class BlockTables:
+    def __init__(self, num_groups: int, device: torch.device, capacity: int = 16, width: int = 16) -> None:
+        self.device = device
+        self.tables = [torch.zeros(capacity, width, dtype=torch.int64, device=device) for _ in range(num_groups)]
+        self.lengths: dict[str, list[int]] = {}  # req_id -> entries its row holds, per group
+        self.rows: dict[str, int] = {}  # req_id -> its row
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def remove(self, req_id: str) -> None:
+        row = self.rows.pop(req_id, None)
+        if row is not None:
+            for group, length in enumerate(self.lengths.pop(req_id)):
+                self.tables[group][row, :length] = 0  # the row's next owner pads with 0 as well
+            self._free.append(row)
+
+    def update(self, req_id: str, block_ids: tuple[list[int], ...]) -> None:
+        """Append each group's entries past what the request's row holds (a new request: all of them)."""
+        if req_id not in self.rows:
+            if not self._free:
+                self._grow_rows()
+            self.rows[req_id] = self._free.pop()
+            self.lengths[req_id] = [0] * len(self.tables)
+        row, lengths = self.rows[req_id], self.lengths[req_id]
+        for group, ids in enumerate(block_ids):
+            known = lengths[group]
+            if len(ids) <= known:
+                continue
+            if len(ids) > self.tables[group].shape[1]:
+                self._grow_width(group, len(ids))
+            self.tables[group][row, known:len(ids)] = torch.tensor(ids[known:], dtype=torch.int64)
+            lengths[group] = len(ids)
+
+    def gather(self, req_ids: list[str], group: int) -> torch.Tensor:
+        """[len(req_ids), widest of them] int64, padded with 0 (never read: past each row's context)."""
+        width = max(self.lengths[r][group] for r in req_ids)
+        rows = torch.tensor([self.rows[r] for r in req_ids], dtype=torch.int64, device=self.device)
+        return self.tables[group][:, :width].index_select(0, rows)
+
+    def _grow_rows(self) -> None:
+        capacity = self.tables[0].shape[0]
+        self.tables = [torch.cat([t, torch.zeros_like(t)]) for t in self.tables]
+        self._free = list(range(2 * capacity - 1, capacity - 1, -1))
+
+    def _grow_width(self, group: int, needed: int) -> None:
+        table = self.tables[group]
+        width = max(needed, 2 * table.shape[1])
+        grown = torch.zeros(table.shape[0], width, dtype=torch.int64, device=self.device)
+        grown[:, :table.shape[1]] = table
+        self.tables[group] = grown
