@@ -114,5 +114,8 @@ def test_embedding_model_reranks_by_cosine(minilm_path):
         assert abs(scores["data"][0]["score"] - expected[0]) <= TOL
         refused = httpx.post(f"{server.url}/classify", json={"input": "hi"}, timeout=30)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+        for path, body in (("/v1/embeddings", {"input": "hi"}), ("/score", {"text_1": QUERY, "text_2": DOCS[0]})):
+            too_long = httpx.post(f"{server.url}{path}", json={**body, "truncate_prompt_tokens": 2 ** 70}, timeout=30)
+            assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "truncate_prompt_tokens"
     finally:
         server.stop()

@@ -44,6 +44,7 @@ def engine_prompts(ctx: ServingContext, request: EmbeddingRequest) -> list[dict]
     if not items or any(len(item) == 0 for item in items):
         raise RequestError("input must not be empty, nor contain an empty string or token list", "input")
     truncate = request.truncate_prompt_tokens
+    ctx.check_truncation(truncate)
     truncate = ctx.max_model_len if truncate == -1 else truncate
     prompts = []
     for item in items:

@@ -61,6 +61,13 @@ class ServingContext:
         self.metrics = ServerMetrics(engine.stats, self.model_name, info_metrics(engine.engine.core))
         self._stop_future: asyncio.Future | None = None
 
+    def check_truncation(self, truncate_prompt_tokens: int | None) -> None:
+        """vLLM's bound: keeping more tokens than max_model_len can serve is refused (and never reaches the
+        tokenizer, whose integers are bounded)."""
+        if truncate_prompt_tokens is not None and truncate_prompt_tokens > self.max_model_len:
+            raise RequestError(f"truncate_prompt_tokens ({truncate_prompt_tokens}) is greater than max_model_len "
+                               f"({self.max_model_len}); choose a smaller truncation size", "truncate_prompt_tokens")
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
             raise RequestError(f"The model `{model}` does not exist.", "model", HTTPStatus.NOT_FOUND)

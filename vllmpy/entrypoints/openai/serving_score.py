@@ -52,6 +52,7 @@ async def _score(ctx: ServingContext, text_1: list[str], text_2: list[str], requ
     """(score, prompt tokens) per pair; refusals name the route's fields (`names`: its text_1 / text_2)."""
     core = ctx.engine.engine.core
     renamed = dict(zip(("text_1", "text_2"), names))
+    ctx.check_truncation(request.truncate_prompt_tokens)
     try:
         check_scoring_task(core.task)
         for name, texts in zip(names, (text_1, text_2)):  # refused before tokenizing, as ctx.encode does
