@@ -55,6 +55,8 @@ CORPUS = [
     # Grammars whose language is empty or contradictory: refused at validation, naming the field sent.
     (CMPL, {**NORMAL, "structured_outputs": {"regex": EMPTY_REGEX}}, "structured_outputs", "matches no text"),
     (CMPL, {**NORMAL, "guided_regex": EMPTY_REGEX}, "guided_regex", "matches no text"),
+    # A literal needing byte 0xF1 (U+411DA's lead byte), which SmolLM2's vocabulary has no token for.
+    (CMPL, {**NORMAL, "guided_regex": "\u00a7\U000411dar"}, "guided_regex", "vocabulary cannot write"),
     (CMPL, {**NORMAL, "guided_json": {"type": "integer", "minimum": 5, "maximum": 2}}, "guided_json", "minimum"),
     (CMPL, {**NORMAL, "guided_json": {"enum": []}}, "guided_json", "unsatisfiable"),
     (CMPL, {**NORMAL, "guided_json": {"type": "string", "minLength": 5, "maxLength": 2}}, "guided_json", "minlength"),

@@ -102,3 +102,25 @@ def test_undeclared_method_is_405_with_allow(fuzzed_server):
     answer = httpx.request("TRACE", f"{fuzzed_server.url}/v1/completions", timeout=10)
     assert answer.status_code == 405 and answer.headers["allow"] == "POST"
     assert answer.json()["error"]["code"] == 405
+
+
+def test_schema_declares_the_engine_bounds(fuzzed_server):
+    """n, logprobs, truncation and token ids carry this server's bounds (--max-num-seqs 4, --max-logprobs 20,
+    --max-model-len 64, the vocabulary): the largest declared token id is served and the next one refused."""
+    components = httpx.get(f"{fuzzed_server.url}/openapi.json", timeout=10).json()["components"]["schemas"]
+    completion = components["CompletionRequest"]["properties"]
+
+    def integer(prop: dict) -> dict:
+        return next(branch for branch in prop["anyOf"] if branch.get("type") == "integer")
+
+    assert integer(completion["n"])["maximum"] == 4
+    assert (integer(completion["logprobs"])["minimum"], integer(completion["logprobs"])["maximum"]) == (0, 20)
+    assert integer(components["ChatCompletionRequest"]["properties"]["top_logprobs"])["maximum"] == 20
+    assert integer(components["EmbeddingRequest"]["properties"]["truncate_prompt_tokens"])["maximum"] == 64
+    token_ids = next(branch for branch in completion["prompt"]["anyOf"]
+                     if branch.get("type") == "array" and branch["items"].get("type") == "integer")
+    largest = token_ids["items"]["maximum"]
+    too_big = httpx.post(f"{fuzzed_server.url}/v1/completions", json={"prompt": [largest + 1], "max_tokens": 1},
+                         timeout=10)
+    fits = httpx.post(f"{fuzzed_server.url}/v1/completions", json={"prompt": [largest], "max_tokens": 1}, timeout=30)
+    assert too_big.status_code == 400 and fits.status_code == 200

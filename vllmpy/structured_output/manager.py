@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import llguidance
+import torch
 
 from vllmpy.structured_output.bitmask import allocate_bitmask
 from vllmpy.structured_output.config import StructuredOutputsConfig
@@ -58,9 +59,9 @@ class StructuredOutputManager:
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar_text(params), log_level=0)
         if matcher.is_error():
             raise ValueError(describe_error(params, matcher.get_error()))
-        if _admits_nothing(matcher, self.bitmask_vocab_size):
-            raise ValueError(describe_error(params, "it matches no text at all (its language is empty), so no "
-                                                    "output could satisfy it"))
+        problem = _unproducible(matcher, self.bitmask_vocab_size)
+        if problem is not None:
+            raise ValueError(describe_error(params, problem))
         self._compiled[key] = matcher
         if len(self._compiled) > CACHE_SIZE:
             self._compiled.popitem(last=False)
@@ -74,13 +75,54 @@ class StructuredOutputManager:
         return self._ll_tokenizer
 
 
-def _admits_nothing(matcher: llguidance.LLMatcher, vocab_size: int) -> bool:
-    """No token, EOS included, may start the output: a request under this grammar could not make a step.
+# Forced steps (exactly one token allowed) walked at validation; a literal longer than this is unusual.
+_FORCED_STEPS_CHECKED = 64
 
-    The probe is a copy because computing the first mask leaves an empty grammar's matcher in error; for
-    any other grammar it is the mask the first step would compute anyway (~1 ms on a 49k vocabulary).
+
+def _unproducible(matcher: llguidance.LLMatcher, vocab_size: int) -> str | None:
+    """Why no output could satisfy the grammar, found before the request is queued; None when it can start.
+
+    No token, EOS included, may start an empty language. And where the grammar forces its text, each forced
+    step must be a token the matcher then accepts: a vocabulary without some byte (SmolLM2 has no token for
+    0xF1, the lead byte of many 4-byte characters) cannot write a literal that needs it, and llguidance's
+    mask at that point offers a token its own parser then rejects. The walk runs on a copy (~1 ms a step on
+    a 49k vocabulary) and stops at the first real choice.
     """
     probe = matcher.deep_copy()
     mask = allocate_bitmask(1, vocab_size)
-    probe.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
-    return probe.is_error() or not bool(mask.any())
+    for step in range(_FORCED_STEPS_CHECKED):
+        mask.zero_()
+        probe.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
+        allowed = 0 if probe.is_error() else _allowed_count(mask)
+        if allowed == 0 and step == 0:
+            return "it matches no text at all (its language is empty), so no output could satisfy it"
+        if allowed == 0:
+            return "it forces text that this model's vocabulary cannot write, so no output could satisfy it"
+        if allowed > 1 or probe.is_stopped():
+            return None
+        token = _only_allowed(mask)
+        if not probe.consume_tokens([token]) or probe.is_error():
+            return ("it forces text that this model's vocabulary cannot write (no token produces one of its "
+                    "bytes), so no output could satisfy it")
+        if probe.is_stopped():
+            return None
+    return None
+
+
+def _allowed_count(mask: torch.Tensor) -> int:
+    """Allowed tokens in a one-row bitmask, counted up to 2 (all the walk needs to know)."""
+    words = mask[0]
+    nonzero = torch.nonzero(words).flatten()
+    if len(nonzero) == 0:
+        return 0
+    if len(nonzero) > 1:
+        return 2
+    word = int(words[nonzero[0]]) & 0xFFFFFFFF
+    return 1 if word & (word - 1) == 0 else 2
+
+
+def _only_allowed(mask: torch.Tensor) -> int:
+    """The one token a single-bit mask allows."""
+    index = int(torch.nonzero(mask[0]).flatten()[0])
+    word = int(mask[0, index]) & 0xFFFFFFFF
+    return index * 32 + word.bit_length() - 1

@@ -31,6 +31,7 @@ from vllmpy.engine.async_llm import AsyncLLM, EngineDeadError
 from vllmpy.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from vllmpy.entrypoints.openai.anthropic_errors import AnthropicRoute
 from vllmpy.entrypoints.openai.errors import RequestError
+from vllmpy.entrypoints.openai.openapi_limits import declare_engine_limits
 from vllmpy.entrypoints.openai.event_stream import EventStream, frame
 from vllmpy.entrypoints.openai.http_limits import ConcurrencyLimit, ConnectionLimits, guarded_protocol
 from vllmpy.entrypoints.openai.json_limits import MAX_JSON_DEPTH
@@ -184,6 +185,7 @@ def build_app(ctx: ServingContext, api_key: str | None = None, parsers: ChatPars
     app.add_exception_handler(Exception, _internal_error)
     auth = [Depends(_key_check(api_key))] if api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=auth, responses=_ERROR_RESPONSES)
+    _declare_limits_in_openapi(app, ctx)
     models = ModelList(data=[ModelCard(id=name, root=ctx.model_root, max_model_len=ctx.max_model_len)
                              for name in ctx.served_model_names])
 
@@ -296,6 +298,18 @@ def build_app(ctx: ServingContext, api_key: str | None = None, parsers: ChatPars
 
 
 # ---------------------------------------------------------------- responses and errors
+
+
+def _declare_limits_in_openapi(app: FastAPI, ctx: ServingContext) -> None:
+    """/openapi.json with this server's n, logprobs, truncation and token-id bounds (built once, on first use)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            declare_engine_limits(build(), ctx.max_num_seqs, ctx.max_logprobs, ctx.vocab_size, ctx.max_model_len)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _json(model: BaseModel, status: int = HTTPStatus.OK) -> Response:

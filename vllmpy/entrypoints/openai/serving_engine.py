@@ -53,6 +53,7 @@ class ServingContext:
         self.max_model_len: int = engine.engine.core.max_model_len
         self.vocab_size: int = engine.engine.core.vocab_size
         self.max_num_seqs: int = engine.engine.core.config.scheduler.max_num_seqs
+        self.max_logprobs: int = engine.engine.core.config.model.max_logprobs
         # A text longer than this needs more than max_model_len tokens, so it is refused before tokenizing.
         self.max_prompt_bytes = self.max_model_len * longest_token_bytes(self.tokenizer)
         self.default_params = engine.engine.default_sampling_params
