@@ -53,3 +53,13 @@ def test_small_results_and_other_dtypes_and_threads_are_separate() -> None:
     worker.join()
     assert seen[0] != f32.data_ptr()
     assert recycle._storage_use_count is not None  # the torch this suite pins exposes the count
+
+
+def test_a_buffer_made_under_inference_mode_is_not_handed_out_outside_it() -> None:
+    """(float64: a dtype no other test here has recycled, so the first buffer is made under inference mode.)"""
+    with torch.inference_mode():
+        inside = result_buffer(ROWS, COLS, torch.float64)
+        del inside
+    outside = result_buffer(ROWS, COLS, torch.float64)
+    outside.fill_(1.0)  # an inference tensor refuses an in-place write outside inference mode
+    assert not outside.is_inference()
