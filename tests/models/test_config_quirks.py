@@ -61,6 +61,7 @@ def test_gpt2_config_names():
     from vllmpy.models.gpt2 import GPT2LMHeadModel
 
     model = _build(GPT2LMHeadModel, {"vocab_size": 32, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128})
-    assert model.kv_cache_shape() == (2, 4, 16)
+    specs = model.kv_cache_specs(16, torch.float32)
+    assert [(type(s).__name__, s.num_kv_heads, s.head_dim) for s in specs] == [("FullAttentionSpec", 4, 16)] * 2
     assert model.model.embed_positions.num_embeddings == 128
     assert model.model.layers[0].mlp.fc1.weight.shape == (256, 64)  # n_inner unset: 4 * n_embd

@@ -64,12 +64,6 @@ class CausalLM(nn.Module):
         """What each layer keeps per request, as its attention module declares it, in forward order."""
         return [module.kv_cache_spec(block_size, dtype) for module in self.attention_layers()]
 
-    def kv_cache_shape(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_dim) of the paged cache this model needs."""
-        c = self.config
-        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        return c["num_hidden_layers"], c.get("num_key_value_heads") or c["num_attention_heads"], head_dim
-
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
