@@ -163,9 +163,10 @@ class ModelRunner:
         if not so.chunks:
             return out
         input_ids, positions, layer_meta = self._prepare(so)
-        hidden = self.model(input_ids, positions, self.kv_caches, layer_meta, **token_type_inputs(
+        extra = {} if self.pooler is None else token_type_inputs(  # only encoders read token types
             self.model, [len(c.token_ids) for c in so.chunks],
-            [self.requests[c.req_id].data.pooling_params for c in so.chunks], self.device))
+            [self.requests[c.req_id].data.pooling_params for c in so.chunks], self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, layer_meta, **extra)
         meta = layer_meta[0]  # the batch layout, the same in every group
         if self.pooler is not None:
             self._pool(so, hidden, meta, out)
