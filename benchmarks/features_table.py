@@ -23,7 +23,7 @@ NOT_IN_TRANSFORMERS = {
 
 def row_key(gate_id: str) -> str:
     arch, _, variant = gate_id.partition("/")
-    family = re.sub(r"(ForCausalLM|LMHeadModel)$", "", arch).lower()
+    family = re.sub(r"(ForCausalLM|LMHeadModel)$", "", re.sub(r"ForConditionalGeneration$", "-vl", arch)).lower()
     return f"model.{family}" + (f".{variant}" if variant else "")
 
 

@@ -69,13 +69,19 @@ class Engine:
 class VllmpyEngine(Engine):
     name = "vllmpy"
 
-    def __init__(self, model: str, max_model_len: int, max_num_seqs: int) -> None:
+    def __init__(self, model: str, max_model_len: int, max_num_seqs: int,
+                 speculative_config: str | None = None) -> None:
         from vllmpy import LLM, SamplingParams, __version__
         from vllmpy.entrypoints.bench.header import engine_header, git_commit
 
         self._params = SamplingParams
-        self.llm = LLM(model, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+        spec = {"speculative_config": speculative_config} if speculative_config else {}
+        self.llm = LLM(model, max_model_len=max_model_len, max_num_seqs=max_num_seqs, **spec)
         self.core = self.llm.engine.core
+        drafter = self.core.scheduler.drafter
+        self.spec_stats = drafter.stats if drafter is not None else None  # acceptance totals, when speculating
+        if drafter is not None:
+            self.name = f"vllmpy {drafter.config.method}"
         self.header = engine_header(self.core)
         self.version = f"{__version__} ({git_commit()})"
         self.weights = self.header["Weight format"]
@@ -167,8 +173,13 @@ class LlamaCppEngine(WorkerEngine):
     weights = "gguf as stored (quantized blocks)"
     batching = "one sequence at a time (llama-cpp-python has no batched generate)"
 
-    def __init__(self, python: str, gguf_path: str, max_model_len: int, threads: int) -> None:
-        super().__init__(python, model=gguf_path, max_model_len=max_model_len, threads=threads)
+    def __init__(self, python: str, gguf_path: str, max_model_len: int, threads: int,
+                 prompt_lookup: dict[str, int] | None = None) -> None:
+        """prompt_lookup: LlamaPromptLookupDecoding's arguments, to speculate with llama.cpp's n-gram drafts."""
+        super().__init__(python, model=gguf_path, max_model_len=max_model_len, threads=threads,
+                         prompt_lookup=prompt_lookup)
+        if prompt_lookup:
+            self.name = "llama.cpp prompt-lookup"
 
 
 class VllmEngine(WorkerEngine):

@@ -33,12 +33,16 @@ def load_vllm(model: str, max_model_len: int, max_num_seqs: int, kv_cache_bytes:
     return f"vllm {vllm.__version__}", generate
 
 
-def load_llama_cpp(model: str, max_model_len: int, threads: int) -> tuple[str, Generate]:
-    """llama-cpp-python's Python API decodes one sequence at a time, so the prompts run one after another."""
+def load_llama_cpp(model: str, max_model_len: int, threads: int,
+                   prompt_lookup: dict | None = None) -> tuple[str, Generate]:
+    """llama-cpp-python's Python API decodes one sequence at a time, so the prompts run one after another.
+    prompt_lookup: arguments of its LlamaPromptLookupDecoding (n-gram drafts from the context), else none."""
     import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+    draft = LlamaPromptLookupDecoding(**prompt_lookup) if prompt_lookup else None
     llm = llama_cpp.Llama(model_path=model, n_ctx=max_model_len, n_threads=threads, n_threads_batch=threads,
-                          verbose=False)
+                          draft_model=draft, verbose=False)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> int:
         produced = 0
@@ -51,7 +55,8 @@ def load_llama_cpp(model: str, max_model_len: int, threads: int) -> tuple[str, G
             produced += count
         return produced
 
-    return f"llama-cpp-python {llama_cpp.__version__}", generate
+    lookup = f" + LlamaPromptLookupDecoding({prompt_lookup})" if prompt_lookup else ""
+    return f"llama-cpp-python {llama_cpp.__version__}{lookup}", generate
 
 
 LOADERS = {"vllm": load_vllm, "llama.cpp": load_llama_cpp}

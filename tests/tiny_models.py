@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -139,13 +141,16 @@ def _configs(vocab: int) -> dict:
     }
 
 
-def make_tiny_checkpoint(arch: str, tokenizer_dir: str, out: Path) -> torch.nn.Module:
-    """Save a random-weight `arch` with the tokenizer's files into `out`; return the transformers model."""
+def make_tiny_checkpoint(arch: str, tokenizer_dir: str, out: Path,
+                         make_config: Callable[[int], Any] | None = None) -> torch.nn.Module:
+    """Save a random-weight `arch` with the tokenizer's files into `out`; return the transformers model.
+    make_config(vocab_size) builds a config kept with its own test file instead of `_configs`' entry."""
     from transformers import AutoModelForCausalLM
 
     from vllmpy.tokenizer import Tokenizer
 
-    config = _configs(Tokenizer.from_pretrained(tokenizer_dir).vocab_size)[arch]
+    vocab = Tokenizer.from_pretrained(tokenizer_dir).vocab_size
+    config = make_config(vocab) if make_config else _configs(vocab)[arch]
     torch.manual_seed(0)
     config.architectures = [arch.split("/")[0]]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -155,6 +160,9 @@ def make_tiny_checkpoint(arch: str, tokenizer_dir: str, out: Path) -> torch.nn.M
             p.normal_(0.0, 0.3 if p.dim() == 1 or is_norm else 0.15)
             if is_norm and name.endswith("weight") and arch not in _ONE_PLUS_NORMS:
                 p.add_(1.0)
+        for name, buffer in model.named_buffers():  # a routing bias saved as zeros would choose nothing
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.2)
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         src = f"{tokenizer_dir}/{name}"

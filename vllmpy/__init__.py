@@ -1,4 +1,5 @@
 """vllmpy: vLLM's behaviour and API in a Python codebase you can read in an afternoon."""
+from vllmpy.lora.request import LoRARequest
 from vllmpy.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
@@ -6,7 +7,7 @@ from vllmpy.sampling_params import SamplingParams
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "ModelRegistry", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "PoolingParams",
-           "EmbeddingRequestOutput", "EmbeddingOutput", "__version__"]
+           "EmbeddingRequestOutput", "EmbeddingOutput", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):

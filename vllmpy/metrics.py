@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from vllmpy.engine.llm_engine import EngineStats
 from vllmpy.outputs import RequestOutput
+from vllmpy.spec_decode.drafter import SpecDecodeStats
 
 # vLLM's bucket boundaries, so dashboards built for vLLM read these histograms unchanged.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -52,6 +53,30 @@ class _EngineCollector:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self._model_name], value)
             yield family
+        if s.spec_decode is not None:
+            yield from _spec_decode_counters(s.spec_decode, self._model_name)
+        if s.max_loras:  # vLLM's: adapter names as comma-joined labels, the scrape time as the value
+            family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                       labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            family.add_metric([str(s.max_loras), ",".join(s.waiting_lora_adapters),
+                               ",".join(s.running_lora_adapters)], time.time())
+            yield family
+
+
+def _spec_decode_counters(stats: SpecDecodeStats, model_name: str) -> Iterator[Metric]:
+    """vLLM's speculative decoding counters (its definitions: spec_decode/drafter.py SpecDecodeStats)."""
+    for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "(Request, step) pairs that carried draft tokens.", stats.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", stats.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_tokens)):
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model_name], value)
+        yield family
+    family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                 "Draft tokens accepted, by position in the draft.", labels=["model_name", "position"])
+    for position, value in enumerate(stats.accepted_per_pos):
+        family.add_metric([model_name, str(position)], value)
+    yield family
 
 
 class ServerMetrics:

@@ -38,6 +38,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    # Speculative decoding, over the request's sequences: draft tokens verified, and those accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:

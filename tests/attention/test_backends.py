@@ -7,6 +7,7 @@ the backend choice: by device, VLLMPY_ATTENTION_BACKEND, refusals that list the 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,7 +39,8 @@ def stored_as(cache: torch.Tensor, dtype: torch.dtype):
 
 
 def reference(q, keys, values, q_start, spec: AttentionSpec) -> torch.Tensor:
-    """Dense causal attention of queries at positions q_start.. over keys 0..: float64, GQA by repeat."""
+    """Dense causal attention of queries at positions q_start.. over keys 0..: float64, GQA by repeat;
+    a chunk size keeps each query to its own chunk, sinks join each head's softmax denominator."""
     group = spec.num_heads // spec.num_kv_heads
     k = keys.double().repeat_interleave(group, dim=1)  # [L, heads, dim]
     v = values.double().repeat_interleave(group, dim=1)
@@ -50,7 +52,14 @@ def reference(q, keys, values, q_start, spec: AttentionSpec) -> torch.Tensor:
     visible = k_pos <= q_pos
     if spec.sliding_window is not None:
         visible &= k_pos > q_pos - spec.sliding_window
-    probs = torch.softmax(scores.masked_fill(~visible, -math.inf), dim=-1)
+    if spec.chunk_size is not None:
+        visible &= k_pos // spec.chunk_size == q_pos // spec.chunk_size
+    scores = scores.masked_fill(~visible, -math.inf)
+    if spec.sinks is not None:
+        sink = spec.sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
@@ -104,6 +113,23 @@ def test_backends_match_dense_reference(window, cap, dtype):
         assert outs[name].isfinite().all(), f"{name} read a block outside the window"
         torch.testing.assert_close(outs[name].double(), expected, atol=CACHE_DTYPES[dtype], rtol=0, msg=name)
     torch.testing.assert_close(outs["cpu"], outs["torch"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["sinks", "sinks-window7", "chunk8"])
+def test_sinks_and_chunked_attention_match_dense_reference(case):
+    """gpt-oss's sinks (alone and on a sliding layer) and Llama 4's chunked local attention, on both
+    backends: decode rows (the CPU backend's C kernel), a chunked prefill over cached context, a fresh one."""
+    sinks = torch.randn(HEADS, generator=torch.Generator().manual_seed(7)) * 2
+    spec = AttentionSpec(HEADS, KV_HEADS, DIM, scale=DIM ** -0.5, sliding_window=7 if "window" in case else None,
+                         chunk_size=8 if case == "chunk8" else None, sinks=sinks if "sinks" in case else None)
+    for name, backend in BACKENDS.items():
+        cache, q, k, v, meta, expected = make_step(backend(), spec, seed=3)
+        layer = PagedAttention(replace(spec, sinks=None), sinks=spec.sinks is not None)
+        if layer.sinks is not None:
+            layer.sinks.data.copy_(sinks)
+        out = layer(q, k, v, cache, meta)
+        assert out.isfinite().all(), f"{name} read a block outside the window"
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0, msg=name)
 
 
 def test_default_backend_per_device_and_the_override(monkeypatch):

@@ -12,6 +12,7 @@ keys, with SmolLM2's GGUF vocabulary. Then
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -40,13 +41,16 @@ def _configs(vocab: int) -> dict:
         Glm4Config,
         GPT2Config,
         GraniteConfig,
+        GraniteMoeConfig,
         MixtralConfig,
         Olmo2Config,
         Olmo3Config,
+        OlmoeConfig,
         Phi3Config,
         PhiConfig,
         Qwen2MoeConfig,
         Qwen3MoeConfig,
+        SmolLM3Config,
         StableLmConfig,
     )
 
@@ -74,6 +78,14 @@ def _configs(vocab: int) -> dict:
         "olmo3": Olmo3Config(**{**rms, "num_hidden_layers": 4}, sliding_window=8),
         "granite": GraniteConfig(**rms, embedding_multiplier=12.0, attention_multiplier=0.1,
                                  residual_multiplier=0.22, logits_scaling=8.0),
+        # 4 layers: layer 3 is NoPE, as llama.cpp hard-codes it
+        "smollm3": SmolLM3Config(**{**rms, "num_hidden_layers": 4}, pad_token_id=0),
+        # its converter writes rms eps 1e-5 whatever the config says, and no clip_qkv
+        "olmoe": OlmoeConfig(**{**base, "intermediate_size": 32, "rms_norm_eps": 1e-5}, num_experts=8,
+                             num_experts_per_tok=3),
+        "granitemoe": GraniteMoeConfig(**{**rms, "intermediate_size": 32}, num_local_experts=8, num_experts_per_tok=2,
+                                       embedding_multiplier=12.0, attention_multiplier=0.1, residual_multiplier=0.22,
+                                       logits_scaling=8.0),
         "command-r": CohereConfig(**ln, use_qk_norm=True, logit_scale=0.5),
         "cohere2": Cohere2Config(**{**ln, "num_hidden_layers": 4}, sliding_window=8, logit_scale=0.5),
         "glm4": Glm4Config(**rms, head_dim=32, pad_token_id=0),
@@ -92,7 +104,8 @@ def _configs(vocab: int) -> dict:
 GGUF_ARCH = {"gemma": MODEL_ARCH.GEMMA, "gemma2": MODEL_ARCH.GEMMA2, "phi2": MODEL_ARCH.PHI2, "phi3": MODEL_ARCH.PHI3,
              "gpt2": MODEL_ARCH.GPT2, "stablelm": MODEL_ARCH.STABLELM,
              "stablelm-plain": MODEL_ARCH.STABLELM, "olmo2": MODEL_ARCH.OLMO2,
-             "olmo3": MODEL_ARCH.OLMO2, "granite": MODEL_ARCH.GRANITE, "command-r": MODEL_ARCH.COMMAND_R,
+             "olmo3": MODEL_ARCH.OLMO2, "granite": MODEL_ARCH.GRANITE, "granitemoe": MODEL_ARCH.GRANITE_MOE,
+             "olmoe": MODEL_ARCH.OLMOE, "smollm3": MODEL_ARCH.SMOLLM3, "command-r": MODEL_ARCH.COMMAND_R,
              "cohere2": MODEL_ARCH.COHERE2, "glm4": MODEL_ARCH.GLM4, "mixtral": MODEL_ARCH.LLAMA,
              "qwen2moe": MODEL_ARCH.QWEN2MOE, "qwen2moe-squeezed": MODEL_ARCH.QWEN2MOE,
              "qwen3moe": MODEL_ARCH.QWEN3MOE}
@@ -128,7 +141,8 @@ def _metadata(name: str, w: gguf.GGUFWriter, c) -> None:
     if name in ("gemma", "gemma2", "glm4"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if name in ("phi2", "phi3", "stablelm", "stablelm-plain", "cohere2", "glm4", "granite", "mixtral"):
+    if name in ("phi2", "phi3", "stablelm", "stablelm-plain", "cohere2", "glm4", "granite", "granitemoe", "mixtral",
+                "smollm3"):
         partial = rope.get("partial_rotary_factor", 0.5 if name == "glm4" else 1.0)
         w.add_rope_dimension_count(int(head_dim * partial))
     if name == "gemma2":
@@ -147,14 +161,14 @@ def _metadata(name: str, w: gguf.GGUFWriter, c) -> None:
         w.add_parallel_residual(d["use_parallel_residual"])
     if name in ("command-r", "cohere2"):
         w.add_logit_scale(d["logit_scale"])
-    if name.startswith(("mixtral", "qwen2moe", "qwen3moe")):
+    if name.startswith(("mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe")):
         w.add_expert_count(d.get("num_local_experts") or d["num_experts"])
         w.add_expert_used_count(d["num_experts_per_tok"])
     if name.startswith(("qwen2moe", "qwen3moe")):
         w.add_expert_feed_forward_length(d["moe_intermediate_size"])
     if name.startswith("qwen2moe"):
         w.add_expert_shared_feed_forward_length(d["shared_expert_intermediate_size"])
-    if name == "granite":
+    if name.startswith("granite"):
         w.add_attention_scale(d["attention_multiplier"])
         w.add_embedding_scale(d["embedding_multiplier"])
         w.add_residual_scale(d["residual_multiplier"])
@@ -175,12 +189,16 @@ def _tensors(name: str, state: dict[str, torch.Tensor], c) -> dict[str, np.ndarr
                               key=lambda k: int(k[len(prefix):].split(".")[0]))
                 state[f"model.layers.{i}.self_attn.{qk}_layernorm.weight"] = torch.stack([state.pop(k) for k in rows])
     _stack_experts(state)
+    for key in [k for k in state if k.endswith(".block_sparse_moe.input_linear.weight")]:  # Granite-MoE: split
+        gate, up = state.pop(key).chunk(2, dim=1)
+        prefix = key.removesuffix("block_sparse_moe.input_linear.weight")
+        state[f"{prefix}mlp.experts.gate_proj.weight"], state[f"{prefix}mlp.experts.up_proj.weight"] = gate, up
     for hf, tensor in state.items():
         if name in ("gemma", "gemma2") and hf == "lm_head.weight":
             continue
         if name in ("gemma", "gemma2") and hf.endswith("norm.weight"):
             tensor = tensor + 1
-        if name in ("granite", "mixtral") and hf.endswith(("q_proj.weight", "k_proj.weight")):
+        if name in ("granite", "granitemoe", "mixtral", "smollm3") and hf.endswith(("q_proj.weight", "k_proj.weight")):
             heads = d["num_attention_heads"] if "q_proj" in hf else d["num_key_value_heads"]
             tensor = torch.from_numpy(_llama_cpp_permute(tensor.numpy(), heads))
         if name == "gpt2" and hf.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
@@ -224,13 +242,8 @@ def vocab(smollm2_gguf_path) -> dict:
     return {key: reader.fields[key].contents() for key in _TOKENIZER_KEYS}
 
 
-def _write(name: str, model, out: Path, vocab: dict) -> Path:
-    from safetensors.torch import load_file
-
-    config = model.config
-    path = out / f"{name}.gguf"
-    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[GGUF_ARCH[name]])
-    _metadata(name, w, config)
+def add_vocab(w: gguf.GGUFWriter, vocab: dict) -> None:
+    """SmolLM2's GGUF vocabulary (`vocab`: its tokenizer metadata keys) into the file being written."""
     w.add_tokenizer_model(vocab["tokenizer.ggml.model"])
     w.add_tokenizer_pre(vocab["tokenizer.ggml.pre"])
     w.add_token_list(vocab["tokenizer.ggml.tokens"])
@@ -238,16 +251,39 @@ def _write(name: str, model, out: Path, vocab: dict) -> Path:
     w.add_token_merges(vocab["tokenizer.ggml.merges"])
     w.add_bos_token_id(vocab["tokenizer.ggml.bos_token_id"])
     w.add_eos_token_id(vocab["tokenizer.ggml.eos_token_id"])
-    for tensor_name, data in _tensors(name, load_file(out / "hf" / "model.safetensors"), config).items():
-        w.add_tensor(tensor_name, data)
+
+
+def write_tensors(w: gguf.GGUFWriter, tensors: dict[str, np.ndarray],
+                  quantized_as: Callable[[str, np.ndarray], gguf.GGMLQuantizationType | None] = lambda *_: None) -> None:
+    """Add every tensor, quantized to the GGML type `quantized_as(name, data)` names (None: as it is), and write
+    the file out as gguf-py's writer does."""
+    for name, data in tensors.items():
+        qtype = quantized_as(name, data)
+        if qtype is None:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _write(name: str, model, out: Path, vocab: dict, expert_type: gguf.GGMLQuantizationType | None = None) -> Path:
+    """expert_type: the MoE expert stacks (`ffn_*_exps`) quantized to that GGML type, the rest float32."""
+    from safetensors.torch import load_file
+
+    config = model.config
+    path = out / f"{name}.gguf"
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[GGUF_ARCH[name]])
+    _metadata(name, w, config)
+    add_vocab(w, vocab)
+    tensors = _tensors(name, load_file(out / "hf" / "model.safetensors"), config)
+    write_tensors(w, tensors, lambda tensor_name, _: expert_type if "_exps." in tensor_name else None)
     return path
 
 
-def _tiny(name: str, vocab: dict, out: Path):
+def _tiny(name: str, vocab: dict, out: Path, expert_type: gguf.GGMLQuantizationType | None = None):
     from transformers import AutoModelForCausalLM
 
     config = _configs(len(vocab["tokenizer.ggml.tokens"]))[name]
@@ -260,7 +296,7 @@ def _tiny(name: str, vocab: dict, out: Path):
             if is_norm and param_name.endswith("weight") and name not in ("gemma", "gemma2"):
                 p.add_(1.0)
     model.save_pretrained(out / "hf")
-    return model, _write(name, model, out, vocab)
+    return model, _write(name, model, out, vocab, expert_type)
 
 
 @pytest.mark.parametrize("name", sorted(GGUF_ARCH))

@@ -14,7 +14,7 @@ from gguf.quants import dequantize
 
 from vllmpy import kernels
 import vllmpy.layers.quantized as quantized
-from vllmpy.layers.quantized import KERNEL_MAX_ROWS, PackedTensor, packed_linear
+from vllmpy.layers.quantized import KERNEL_MAX_ROWS, SMALL_MAX_ROWS, SMALL_MIN_ROWS, PackedTensor, packed_linear
 from vllmpy.loader.gguf.file import read_gguf
 from vllmpy.loader.gguf.quant import hf_shape
 
@@ -24,6 +24,12 @@ MATMUL_RTOL = 2e-5
 # at most 2^-30 of the block's largest |x| per value, so relative to sum_b max|x_b| * sum_{i in b} |w_i|
 # (2^-29: a factor 2 of margin). For ordinary activations this is ~1e-9 of sum |x_i w_i|.
 FIXED_RTOL = 2.0 ** -29
+# The small-batch kernel (SMALL_MIN_ROWS to SMALL_MAX_ROWS rows) rounds x to int16 per 32-value block with a
+# power-of-two scale: at most 2^-14 of the block's largest |x| per value, so relative to
+# sum_b max|x_b| * sum_{i in b} |w_i| (2^-13: a factor 2 of margin). For N(0, 1) activations ~3e-6 of it.
+SMALL_RTOL = 2.0 ** -13
+# The block types the small-batch kernel has integer panels for (the others keep the few-row and tiled kernels).
+SMALL_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 # Byte offsets of each type's fp16 scale fields inside a block (random bytes there could be NaN/Inf).
 _HALF_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q2_K: (80, 82),
                 Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
@@ -43,12 +49,18 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> n
     return blocks.reshape(rows, -1)
 
 
-def matmul_bound(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+def matmul_bound(x: np.ndarray, weight: np.ndarray, small: bool = False) -> np.ndarray:
     """The error bound of x @ weight.T (float64 arrays) against exact arithmetic: float32 summation
-    plus the kernel's fixed-point rounding of x."""
+    plus the kernel's rounding of x (30-bit fixed point, or int16 where `small`: the small-batch kernel)."""
     blocks_x = np.abs(x).reshape(x.shape[0], -1, 32).max(-1)
     blocks_w = np.abs(weight).reshape(weight.shape[0], -1, 32).sum(-1)
-    return MATMUL_RTOL * (np.abs(x) @ np.abs(weight).T) + FIXED_RTOL * (blocks_x @ blocks_w.T)
+    rounding = SMALL_RTOL if small else FIXED_RTOL
+    return MATMUL_RTOL * (np.abs(x) @ np.abs(weight).T) + rounding * (blocks_x @ blocks_w.T)
+
+
+def takes_small(qtype: Q, rows: int) -> bool:
+    """Whether packed_linear sends `rows` activation rows of this block type to the small-batch kernel."""
+    return qtype in SMALL_TYPES and SMALL_MIN_ROWS <= rows <= SMALL_MAX_ROWS
 
 
 def check_packed(data: np.ndarray, qtype: Q, shape: tuple[int, int], sample_rows: list[int]) -> None:
@@ -58,11 +70,12 @@ def check_packed(data: np.ndarray, qtype: Q, shape: tuple[int, int], sample_rows
     assert np.array_equal(got, reference), f"{qtype.name}: decoded rows differ from gguf.quants.dequantize"
     weight = dequantize(data[:256], qtype).reshape(-1, shape[1]).astype(np.float64)
     head = PackedTensor.from_numpy(data[:256], int(qtype), (weight.shape[0], shape[1]))
-    for m in (1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 40):  # both the kernel and the slab path
+    for m in (1, SMALL_MIN_ROWS - 1, SMALL_MIN_ROWS, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, SMALL_MAX_ROWS,
+              SMALL_MAX_ROWS + 1):  # the few-row, small-batch and tiled kernels and the slab path
         x = torch.randn(m, shape[1])
         expected = x.double().numpy() @ weight.T
         got = packed_linear(x, head).double().numpy()
-        bound = matmul_bound(x.double().numpy(), weight)
+        bound = matmul_bound(x.double().numpy(), weight, takes_small(qtype, m))
         assert np.all(np.abs(got - expected) <= bound + 1e-30), f"{qtype.name} m={m}"
 
 
@@ -107,23 +120,28 @@ def test_adversarial_activations(qtype):
     weight = dequantize(data, qtype).reshape(rows, cols).astype(np.float64)
     x = adversarial_x(cols, rng)
     packed = PackedTensor.from_numpy(data, int(qtype), (rows, cols))
-    got = np.concatenate([packed_linear(torch.from_numpy(x[i:i + KERNEL_MAX_ROWS]), packed).double().numpy()
-                          for i in range(0, len(x), KERNEL_MAX_ROWS)])  # through the few-row kernel
     expected = x.astype(np.float64) @ weight.T
-    # float32 output: values below FLT_MIN are rounded to a multiple of 2^-149
-    assert np.all(np.abs(got - expected) <= matmul_bound(x.astype(np.float64), weight) + 2.0 ** -149), qtype.name
-    assert np.all(got[7] == 0.0)
+    few = SMALL_MIN_ROWS - 1
+    for chunk in (few, len(x)):  # through the few-row kernel, then (the types it has) the small-batch kernel
+        got = np.concatenate([packed_linear(torch.from_numpy(x[i:i + chunk]), packed).double().numpy()
+                              for i in range(0, len(x), chunk)])
+        bound = matmul_bound(x.astype(np.float64), weight, takes_small(qtype, chunk))
+        # float32 output: values below FLT_MIN are rounded to a multiple of 2^-149
+        assert np.all(np.abs(got - expected) <= bound + 2.0 ** -149), (qtype.name, chunk)
+        assert np.all(got[7] == 0.0)
 
 
+@pytest.mark.parametrize("m", [3, SMALL_MIN_ROWS + 1])  # the few-row and the small-batch kernel
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
-def test_non_finite_activations_stay_in_their_row(qtype):
+def test_non_finite_activations_stay_in_their_row(qtype, m):
     rng = np.random.default_rng(5)
     rows, cols = 16, 256
     packed = PackedTensor.from_numpy(random_blocks(qtype, rows, cols, rng), int(qtype), (rows, cols))
-    x = rng.standard_normal((3, cols)).astype(np.float32)
+    x = rng.standard_normal((m, cols)).astype(np.float32)
     x[0, 40], x[2, 200] = np.nan, np.inf
     got = packed_linear(torch.from_numpy(x), packed).numpy()
-    assert not np.isfinite(got[0]).any() and not np.isfinite(got[2]).any() and np.isfinite(got[1]).all()
+    assert not np.isfinite(got[0]).any() and not np.isfinite(got[2]).any()
+    assert np.isfinite(got[1]).all() and np.isfinite(got[3:]).all()
 
 
 def _real_tensors(path: str) -> dict[Q, object]:
@@ -223,7 +241,7 @@ def test_bfloat16_slabs(qtype):
     kernels.block_kernels().vq_decode_range_bf16(int(qtype), packed.data.data_ptr(), packed.data.shape[1], cols, 0,
                                                  rows, slab.data_ptr(), 1)
     assert torch.equal(slab, packed.dequantize().to(torch.bfloat16))
-    x = torch.randn(KERNEL_MAX_ROWS + 8, cols).to(torch.bfloat16)
+    x = torch.randn(SMALL_MAX_ROWS + 8, cols).to(torch.bfloat16)
     y = packed_linear(x, packed)
     assert y.dtype == torch.bfloat16
     reference = x.double() @ packed.dequantize().double().t()
@@ -306,7 +324,7 @@ def test_segments_whole_or_in_power_of_two_slabs(slab_floats, path, monkeypatch)
     spy = quantized.dense_linear
     monkeypatch.setattr(quantized, "dense_linear", lambda a, b: first_operands.append(a.shape[0]) or spy(a, b))
     tiled = path == "tiled" and _cpu_has_avx512()
-    for m in (KERNEL_MAX_ROWS + 1, 70, quantized._TRANSPOSED_MAX_ROWS, quantized._TRANSPOSED_MAX_ROWS + 1):
+    for m in (SMALL_MAX_ROWS + 1, 70, quantized._TRANSPOSED_MAX_ROWS, quantized._TRANSPOSED_MAX_ROWS + 1):
         first_operands.clear()
         x = torch.randn(m, cols)
         got = packed_linear(x, segments).double().numpy()
@@ -340,3 +358,67 @@ def test_transpose_into_columns(n, m, ld, column):
     kernels.block_kernels().vq_transpose(src.data_ptr(), n, m, dst.data_ptr() + 4 * column, ld, 2)
     assert torch.equal(dst[:, column:column + n], src.t())
     assert (dst[:, :column] == -7.0).all() and (dst[:, column + n:] == -7.0).all()
+
+
+def _small_batch_check(lib, qtype: Q, rng: np.random.Generator) -> None:
+    """vq_matmul_small on ragged shapes (37 weight rows against 16- and 8-lane panels, 13 activation rows
+    against 8- and 4-row register tiles) writes its columns of a wider y within SMALL_RTOL, nothing else."""
+    n, k, column, ld = 37, 512, 5, 50
+    data = random_blocks(qtype, n, k, rng)
+    weight = dequantize(data, qtype).reshape(n, k).astype(np.float64)
+    for m in (SMALL_MIN_ROWS, 13, SMALL_MAX_ROWS):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[1] *= 1e-20  # a row scale far from 1
+        y = np.full((m, ld), -7.0, np.float32)
+        assert lib.vq_matmul_small(int(qtype), data.ctypes.data, data.shape[1], n, k, x.ctypes.data, m,
+                                   y.ctypes.data + 4 * column, ld, 2) == 1
+        expected = x.astype(np.float64) @ weight.T
+        bound = matmul_bound(x.astype(np.float64), weight, small=True)
+        assert np.all(np.abs(y[:, column:column + n] - expected) <= bound), (qtype.name, m)
+        assert (y[:, :column] == -7.0).all() and (y[:, column + n:] == -7.0).all()
+
+
+@pytest.mark.parametrize("qtype", sorted(SMALL_TYPES), ids=lambda t: t.name)
+def test_small_batch_kernel(qtype):
+    _small_batch_check(kernels.block_kernels(), qtype, np.random.default_rng(400 + int(qtype)))
+
+
+def test_small_batch_kernel_declines_what_it_lacks():
+    """0 (the caller takes the few-row or tiled kernel) for block types without integer panels and past 32 rows."""
+    lib = kernels.block_kernels()
+    x, y = torch.randn(33, 256), torch.empty(33, 8)
+    for qtype, m in ((Q.Q2_K, 8), (Q.F16, 8), (Q.IQ4_XS, 8), (Q.Q8_0, 33)):
+        data = random_blocks(qtype, 8, 256, np.random.default_rng(0))
+        assert lib.vq_matmul_small(int(qtype), data.ctypes.data, data.shape[1], 8, 256, x.data_ptr(), m,
+                                   y.data_ptr(), 8, 1) == 0, qtype.name
+
+
+def _cpu_has(flag: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and f" {flag} " in f" {line.split(':')[1].strip()} " for line in f)
+
+
+@pytest.mark.skipif(not _cpu_has("avx2"), reason="the AVX2 builds need an AVX2 CPU")
+@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avxvnni"]], ids=["avx2", "avx2-no-vnni"])
+def test_small_batch_kernel_in_avx2_builds(flags):
+    """The 8-lane AVX2 panels (vpdpwssd with AVX-VNNI, pmaddwd without), built as an AVX2 CPU builds them:
+    cached beside the native library, keyed by source and flags like it."""
+    import ctypes
+    import hashlib
+    import shutil
+
+    from vllmpy.loader.default_model import cache_dir
+
+    source = kernels.Path(kernels.__file__).with_name("ggml_blocks.c")
+    all_flags = kernels._FLAGS + kernels._NATIVE + flags
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    parts = [kernels._source_text(source), compiler, *all_flags, kernels._cpu_signature()]
+    key = hashlib.sha256("\0".join(parts).encode())
+    target = cache_dir() / "kernels" / f"ggml_blocks-test-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        kernels._compile(compiler, all_flags, source, target)
+    lib = kernels._bind_blocks(ctypes.CDLL(str(target)))
+    assert not lib.vq_matmul_tiled_built()  # really a build without AVX-512
+    rng = np.random.default_rng(500)
+    for qtype in (Q.Q4_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        _small_batch_check(lib, qtype, rng)

@@ -13,6 +13,7 @@ import pytest
 
 
 _VERDICTS: dict[str, dict] = {}
+_BF16: dict[str, dict] = {}  # the bf16 gate's verdicts: a `bf16` field of the gate id's report entry
 
 
 @pytest.fixture
@@ -31,11 +32,32 @@ def gate_report():
     return record
 
 
+@pytest.fixture
+def bf16_gate_table():
+    """record(gate_id, CloseResult, prompts): the bf16 gate's row, printed at the end and kept in the report."""
+    def record(gate_id: str, result, prompts: int) -> None:
+        _BF16[gate_id] = {"prompts": prompts, "strict": result.strict, "close": len(result.first_divergence),
+                          "first_divergence": result.first_divergence, "failures": len(result.failures)}
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _BF16:
+        terminalreporter.write_sep("-", "bf16 gate (check_logprobs_close vs transformers fp32)")
+        for gate_id, row in sorted(_BF16.items()):
+            terminalreporter.write_line(f"{gate_id:40} strict {row['strict']}/{row['prompts']}  top-5-close "
+                                        f"{row['close']} (first divergence {row['first_divergence']})  "
+                                        f"failures {row['failures']}")
+
+
 def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("VLLMPY_GATE_REPORT")
-    if not path or not _VERDICTS:
+    if not path or not (_VERDICTS or _BF16):
         return
     report = Path(path)
     merged = json.loads(report.read_text()) if report.exists() else {}
     merged.update(_VERDICTS)
+    for gate_id, row in _BF16.items():
+        if gate_id in merged:
+            merged[gate_id]["bf16"] = row
     report.write_text(json.dumps(dict(sorted(merged.items())), indent=2) + "\n")

@@ -74,17 +74,21 @@ def _record_chunks(llm) -> list:
     return chunks
 
 
-def _check_invariance(llm) -> None:
-    one_at_a_time = [_outputs(llm, [p])[0] for p in PROMPTS]  # (a)
-
+def _check_batched_and_chunked(llm, one_at_a_time, budget: int) -> None:
+    """(b) all prompts in one batch, (c) prompts prefilled in chunks of `budget` tokens beside decodes."""
     _reschedule(llm, enable_prefix_caching=False)
     _agree(one_at_a_time, _outputs(llm), "(b) all together")
 
-    _reschedule(llm, enable_prefix_caching=False, max_num_batched_tokens=16)
+    _reschedule(llm, enable_prefix_caching=False, max_num_batched_tokens=budget)
     chunks = _record_chunks(llm)
-    _agree(one_at_a_time, _outputs(llm), "(c) max_num_batched_tokens=16")
+    _agree(one_at_a_time, _outputs(llm), f"(c) max_num_batched_tokens={budget}")
     assert any(c.start_pos > 0 and len(c.token_ids) > 1 for c in chunks), "no prompt was prefilled in chunks"
     assert any(len(c.token_ids) == 1 for c in chunks[:40]), "no decode ran beside a chunked prefill"
+
+
+def _check_invariance(llm) -> None:
+    one_at_a_time = [_outputs(llm, [p])[0] for p in PROMPTS]  # (a)
+    _check_batched_and_chunked(llm, one_at_a_time, 16)
 
     scheduler = _reschedule(llm, enable_prefix_caching=True)
     _agree(one_at_a_time, _outputs(llm), "(d) prefix cache, cold")

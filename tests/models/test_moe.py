@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+import vllmpy.layers.moe as moe_module
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.layers.moe import SparseMoE
 from vllmpy.models.llama import GatedMLP
@@ -16,8 +17,8 @@ def _per_token_reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(x)
     probs = torch.softmax(F.linear(x, moe.gate.weight), dim=-1)
     for t in range(x.shape[0]):
-        weights, ids = probs[t].topk(moe.top_k)
-        if moe.renormalize:
+        weights, ids = probs[t].topk(moe.gate.top_k)
+        if moe.gate.renormalize:
             weights = weights / weights.sum()
         for w, e in zip(weights, ids.tolist()):
             gate, up = F.linear(x[t], moe.experts.gate_up_proj.weight[e]).chunk(2)
@@ -26,8 +27,10 @@ def _per_token_reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped-matmul", "per-expert-loop"])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_sparse_moe_matches_per_token_loop(renormalize):
+def test_sparse_moe_matches_per_token_loop(renormalize, grouped, monkeypatch):
+    monkeypatch.setattr(moe_module, "_CPU_GROUPED_ROWS_PER_EXPERT", 1 << 20 if grouped else 0)
     torch.manual_seed(0)
     moe = SparseMoE(16, 8, num_experts=6, top_k=2, act="silu", renormalize=renormalize,
                     shared_expert=GatedMLP(16, 12, "silu"))
@@ -111,3 +114,28 @@ def test_qwen3_moe_slides_only_with_use_sliding_window():
         with torch.device("meta"):
             model = Qwen3MoeForCausalLM({**config, "use_sliding_window": enabled})
         assert [layer.self_attn.spec.sliding_window for layer in model.model.layers] == [window, window]
+
+
+def test_gguf_expert_stacks_stay_packed_and_match_dequantized(smollm2_gguf_path, tmp_path, monkeypatch):
+    """A qwen3moe GGUF whose expert stacks are Q8_0 (as llama.cpp writes them): each expert computes on
+    its slice of the file's blocks (no dense expert weights at all), with the greedy tokens of the same
+    file dequantized at load (VLLMPY_GGUF_KEEP_QUANT=0)."""
+    import gguf
+
+    from tests.gguf.test_gguf_archs import _TOKENIZER_KEYS, _tiny
+    from tests.models.test_batch_invariance import _agree, _outputs
+    from vllmpy import LLM
+    from vllmpy.layers.moe import ExpertLinear
+
+    reader = gguf.GGUFReader(smollm2_gguf_path)
+    vocab = {key: reader.fields[key].contents() for key in _TOKENIZER_KEYS}
+    _, path = _tiny("qwen3moe", vocab, tmp_path, expert_type=gguf.GGMLQuantizationType.Q8_0)
+    packed = LLM(model=str(path), dtype="float32", num_blocks=64, block_size=16, max_model_len=256)
+    stacks = [m for m in packed.engine.core.runner.model.modules() if isinstance(m, ExpertLinear)]
+    assert stacks and all(m.packed is not None and m.weight.numel() == 0 for m in stacks)
+    prompts = ["The capital of France is", "1, 2, 3, 4, 5,"]
+    kept = _outputs(packed, prompts)
+    monkeypatch.setenv("VLLMPY_GGUF_KEEP_QUANT", "0")
+    dense = LLM(model=str(path), dtype="float32", num_blocks=64, block_size=16, max_model_len=256)
+    assert all(m.packed is None for m in dense.engine.core.runner.model.modules() if isinstance(m, ExpertLinear))
+    _agree(_outputs(dense, prompts), kept, "packed experts vs dequantized")

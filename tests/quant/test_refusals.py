@@ -42,7 +42,7 @@ def _open(tmp_path, quant: dict, tensors: dict[str, torch.Tensor] | None = None)
 
 
 @pytest.mark.parametrize("quant,message", [
-    ({"quant_method": "mxfp4"}, r"quant_method='mxfp4'.*supported: gptq, awq, fp8, compressed-tensors"),
+    ({"quant_method": "quark"}, r"quant_method='quark'.*supported: gptq, awq, fp8, compressed-tensors, mxfp4"),
     ({"quant_method": "gptq", "bits": 3}, r"bits=3.*supported: 4, 8"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 16}, r"group_size=16.*multiple of 32"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, r"checkpoint_format='marlin'"),

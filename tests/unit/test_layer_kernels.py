@@ -81,6 +81,48 @@ def test_rope_kernel_is_bit_identical_on_views_of_fused_qkv(interleaved: bool, r
     assert not torch.equal(want, q)  # it did rotate
 
 
+def _gemma_norm(dim: int) -> GemmaRMSNorm:
+    module = GemmaRMSNorm(dim, eps=1e-6)
+    module.weight.data = torch.randn(dim)
+    module.finish_loading()
+    return module
+
+
+@pytest.mark.parametrize("rows", [1, 150])  # 150 x 640 takes the threaded loop
+def test_add_norm_is_one_kernel_call_bit_identical_to_the_modules(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(rows)
+    x, branch = torch.randn(rows, 640) * 30, torch.randn(rows, 640)
+    post, pre = _gemma_norm(640), RMSNorm(640, eps=1e-6)
+    pre.weight.data = torch.randn(640)
+    want_x = x + post(branch)
+    want_y = pre(want_x)
+    calls = spy_kernel(monkeypatch, norm, "vq_add_rms_norm")
+    got_x, got_y = norm.add_norm(x, branch, post, pre)
+    only_x, none = norm.add_norm(x, branch, post)
+    assert len(calls) == 2
+    assert torch.equal(got_x, want_x) and torch.equal(got_y, want_y) and torch.equal(only_x, want_x) and none is None
+    other_eps = RMSNorm(640, eps=1e-5)  # two eps: the modules, one after the other
+    other_eps.weight.data = pre.weight.data
+    assert torch.equal(norm.add_norm(x, branch, post, other_eps)[1], other_eps(want_x)) and len(calls) == 2
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_rope_kernel_with_the_head_norm_equals_norm_then_rope(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(tokens)
+    heads, dim = 4, 256
+    qkv = torch.randn(tokens, (heads + 2) * dim) * 5
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    angles = torch.arange(tokens).float()[:, None] * torch.rand(dim // 2)[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    q_norm = _gemma_norm(dim)
+    want = apply_rotary(q_norm(q), emb.cos(), emb.sin())
+    norms, ropes = spy_kernel(monkeypatch, norm, "vq_rms_norm"), spy_kernel(monkeypatch, rotary, "vq_rope")
+    got = apply_rotary(q, emb.cos(), emb.sin(), norm=q_norm)
+    assert torch.equal(got, want) and len(ropes) == 1 and not norms
+    monkeypatch.setattr(rotary, "layer_kernels", lambda: None)
+    assert torch.equal(apply_rotary(q, emb.cos(), emb.sin(), norm=q_norm), want)  # the torch rotation
+
+
 @pytest.mark.parametrize("n", [1, 15, 16, 63, 64, 65, 1000, 262144])
 def test_row_max_kernel_equals_torch_max_on_ties_and_non_finite(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(n)

@@ -154,12 +154,14 @@ def test_constrained_and_free_requests_share_a_batch(smol_llm):
     choice = mixed[2].outputs[0]
     assert choice.text in CHOICES and choice.finish_reason == "stop"
     # Logprobs stay raw: the masked request reports the model's own distribution at its first position.
+    # (Masked-and-renormalised would move it by >0.1; the 5e-3 allows for the lone prompt's prefill, 4-32 rows,
+    # taking the packed small-batch kernel, whose int16 activation blocks round unlike the batch's tiled path.)
     raw = smol_llm.generate(CASES["choice"].smol_prompt, free, use_tqdm=False)[0].outputs[0].logprobs[0]
     top_id, top = next((t, lp) for t, lp in raw.items() if lp.rank == 1)
     first = choice.logprobs[0]
     for token_id, lp in first.items():
         if lp.rank == 1:
-            assert token_id == top_id and lp.logprob == pytest.approx(top.logprob, abs=1e-5)
+            assert token_id == top_id and lp.logprob == pytest.approx(top.logprob, abs=5e-3)
 
 
 def test_preempted_requests_resume_their_grammar(tiny_llama_dir):

@@ -125,18 +125,21 @@ def test_named_chat_templates_take_default(smollm2, tmp_path):
     assert Tokenizer.from_pretrained(variant).chat_template == "D"
 
 
+# A llama-style (SentencePiece) GGUF vocabulary without add_bos_token / add_space_prefix keys.
+SPM_METADATA = {
+    "tokenizer.ggml.model": "llama",
+    "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "▁", "h", "i", "▁h", "▁hi", "<0xC3>", "<0xA9>"],
+    "tokenizer.ggml.scores": [0, 0, 0, -1, -2, -3, -4, -5, 0, 0],
+    "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 1, 1, 6, 6],
+    "tokenizer.ggml.bos_token_id": 1,
+    "tokenizer.ggml.eos_token_id": 2,
+    "tokenizer.ggml.unknown_token_id": 0,
+}
+
+
 def test_gguf_sentencepiece_with_space_prefix():
     """A llama-style file without add_bos_token/add_space_prefix keys gets both, as llama.cpp does."""
-    md = {
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "▁", "h", "i", "▁h", "▁hi", "<0xC3>", "<0xA9>"],
-        "tokenizer.ggml.scores": [0, 0, 0, -1, -2, -3, -4, -5, 0, 0],
-        "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 1, 1, 6, 6],
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.unknown_token_id": 0,
-    }
-    tok = Tokenizer.from_gguf_metadata(md)
+    tok = Tokenizer.from_gguf_metadata(dict(SPM_METADATA))
     assert tok.encode("hi hié") == [1, 7, 7, 8, 9]
     assert tok.decode([1, 7, 7, 8, 9]) == "hi hié"
     assert tok.encode("hi", add_special_tokens=False) == [7]

@@ -13,7 +13,8 @@ from typing import ClassVar
 import torch
 
 from vllmpy.attention.base import AttentionMetadata, AttentionSpec
-from vllmpy.attention.torch_paged import paged_attention
+from vllmpy.attention.kv_storage import PagedKVCache
+from vllmpy.attention.torch_paged import _attend_decode_rows, paged_attention
 from vllmpy.kernels import attention_kernels
 
 BACKEND_ENV = "VLLMPY_ATTENTION_BACKEND"
@@ -31,6 +32,12 @@ class AttentionBackend(ABC):
                 meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
         """Write this step's K/V into the layer's cache and attend: q [T, heads, dim] -> [T, heads, dim]."""
 
+    def decode(self, q: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata, spec: AttentionSpec,
+               out: torch.Tensor) -> None:
+        """out[t] for meta's decode rows' tokens t, over what the cache already holds (the layer wrote this
+        step's entries): MLA's absorbed decode, MQA over the latent. Other rows of q / out are not touched."""
+        raise NotImplementedError(f"the {self.name} attention backend has no decode-only path (MLA layers)")
+
     @classmethod
     def supports(cls, device: torch.device) -> str | None:
         """None if the backend runs on `device`, else why not."""
@@ -46,6 +53,9 @@ class TorchAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
         return paged_attention(q, k, v, kv_cache, meta, spec, use_kernel=False)
 
+    def decode(self, q, kv_cache, meta, spec, out) -> None:
+        _attend_decode_rows(q, kv_cache, meta, spec, out, use_kernel=False)
+
 
 class CPUAttentionBackend(AttentionBackend):
     """The CPU's: decode rows through the C kernel reading the cache in place (the torch path for a
@@ -56,6 +66,9 @@ class CPUAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, spec: AttentionSpec) -> torch.Tensor:
         return paged_attention(q, k, v, kv_cache, meta, spec, use_kernel=True)
+
+    def decode(self, q, kv_cache, meta, spec, out) -> None:
+        _attend_decode_rows(q, kv_cache, meta, spec, out, use_kernel=True)
 
     @classmethod
     def supports(cls, device: torch.device) -> str | None:

@@ -1,6 +1,8 @@
 """The attention layer models call: it declares its KV cache spec and runs on the step's backend."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -9,9 +11,12 @@ from vllmpy.engine.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingW
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, spec: AttentionSpec) -> None:
+    def __init__(self, spec: AttentionSpec, sinks: bool = False) -> None:
+        """sinks: a learned [heads] logit per query head in every softmax denominator (gpt-oss's
+        `self_attn.sinks`); the spec carries it to the backend at each forward."""
         super().__init__()
         self.spec = spec
+        self.sinks = nn.Parameter(torch.empty(spec.num_heads), requires_grad=False) if sinks else None
         # An fp8 cache's per-tensor scales (stored = value / scale): the checkpoint's k_scale / v_scale
         # when it ships them (load_kv_scale), else 1.0. Other cache dtypes ignore them, as vLLM does.
         self.k_scale = self.v_scale = 1.0
@@ -40,4 +45,5 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads, dim], k/v: [T, kv_heads, dim] -> [T, heads, dim]."""
-        return meta.backend.forward(q, k, v, kv_cache, meta, self.spec)
+        spec = self.spec if self.sinks is None else replace(self.spec, sinks=self.sinks)
+        return meta.backend.forward(q, k, v, kv_cache, meta, spec)

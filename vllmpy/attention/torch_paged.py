@@ -1,9 +1,10 @@
 """Portable paged attention in plain torch (any device), with a C decode kernel on CPU.
 
-K/V are written into the paged cache through the slot mapping. Decode rows (one new token) are
-attended in one batched call: on CPU by the C kernel (vllmpy/kernels/paged_attention.c), which reads
-K/V in place through the block tables; elsewhere, or where the kernel did not build, in torch over a
-gathered copy of the blocks each row needs. Prefill rows attend one sequence at a time, reading the
+K/V are written into the paged cache through the slot mapping. Decode rows (one new token, or a
+speculative verification's few: each token then decodes its own causal prefix) are attended in one
+batched call: on CPU by the C kernel (vllmpy/kernels/paged_attention.c), which reads K/V in place
+through the block tables; elsewhere, or where the kernel did not build, in torch over a gathered copy
+of the blocks each row needs. Prefill rows attend one sequence at a time, reading the
 in-flight K/V directly (as the cache stores them) when the sequence has no cached context. Sliding layers read only their
 window's blocks on every path: blocks before it may already be back in the pool (their table entries
 are placeholders). Non-causal (encoder) layers always get whole sequences in one step and never
@@ -12,6 +13,7 @@ decode, so they attend the in-flight K/V and leave the cache alone.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 
@@ -52,7 +54,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                 first_key = max(0, seq_len - (end - start) - spec.sliding_window + 1)
                 key_start = first_key // meta.block_size * meta.block_size
             keys, values = _gather_seq(kv_cache, meta, row, key_start, seq_len, q.dtype)
-        out[start:end] = _prefill(q[start:end], keys, values, seq_len, spec, key_start)
+        spans = meta.bidirectional_spans[row] if meta.bidirectional_spans else ()
+        out[start:end] = _prefill(q[start:end], keys, values, seq_len, spec, key_start, spans)
     return out
 
 
@@ -104,13 +107,14 @@ def _scores(q: torch.Tensor, keys: torch.Tensor, spec: AttentionSpec) -> torch.T
 
 
 def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: int,
-             spec: AttentionSpec, key_start: int = 0) -> torch.Tensor:
-    """q: the sequence's last q_len positions; keys/values: its positions key_start .. seq_len - 1."""
+             spec: AttentionSpec, key_start: int = 0, spans: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+    """q: the sequence's last q_len positions; keys/values: its positions key_start .. seq_len - 1.
+    Inside each of `spans` every position sees every other (then the sliding window still applies)."""
     q_len = q.shape[0]
     group = spec.num_heads // spec.num_kv_heads
     # torch's CPU SDPA takes its unfused math path whenever enable_gqa is set: the grouped path is faster there.
-    if (not spec.logit_soft_cap and spec.sliding_window is None and q_len == seq_len
-            and (group == 1 or q.device.type != "cpu")):
+    if (not spec.logit_soft_cap and spec.sliding_window is None and q_len == seq_len and not spans
+            and spec.sinks is None and spec.chunk_size is None and (group == 1 or q.device.type != "cpu")):
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
             is_causal=spec.causal, scale=spec.scale, enable_gqa=group > 1)
@@ -119,14 +123,28 @@ def _prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len:
     k_pos = torch.arange(key_start, seq_len, device=q.device)[None, :]
     visible = (k_pos <= q_pos if spec.causal
                else torch.ones(q_len, seq_len - key_start, dtype=torch.bool, device=q.device))
+    for span_start, span_end in spans:  # transformers' token_type_ids mask: OR(causal, same image)
+        visible |= (q_pos >= span_start) & (q_pos < span_end) & (k_pos >= span_start) & (k_pos < span_end)
     if spec.sliding_window is not None:
         visible &= k_pos > q_pos - spec.sliding_window
+    if spec.chunk_size is not None:  # Llama 4's local layers: keys of the query's own chunk
+        visible &= k_pos // spec.chunk_size == q_pos // spec.chunk_size
     qh = q.view(q_len, spec.num_kv_heads, group, -1).permute(1, 2, 0, 3)  # [kvh, g, Lq, d]
     scores = _scores(qh, keys.transpose(0, 1).to(q.dtype), spec)  # [kvh, g, Lq, Lk]
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    probs = _softmax(scores, spec).to(q.dtype)
     out = _grouped_matmul(probs, values.transpose(0, 1).to(q.dtype))  # [kvh, g, Lq, d]
     return out.permute(2, 0, 1, 3).reshape(q_len, spec.num_heads, -1)
+
+
+def _softmax(scores: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """fp32 softmax over the keys (last dim of [..., kv_heads, group, Lq, Lk]); with sinks, each query
+    head's sink logit joins the denominator and takes no value (gpt-oss)."""
+    scores = scores.float()
+    if spec.sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = spec.sinks.float().view(spec.num_kv_heads, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def _attend_decode_rows(q: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata, spec: AttentionSpec,
@@ -136,14 +154,16 @@ def _attend_decode_rows(q: torch.Tensor, kv_cache: PagedKVCache, meta: Attention
     if lib is not None:
         _kernel_decode(lib, q, kv_cache, meta.decode, spec, out)
         return
-    index = _decode_index(meta, spec.sliding_window, q.device)
+    index = _decode_index(meta, spec.sliding_window, q.device, spec.chunk_size)
     out[index["token_idx"]] = _decode(q[index["token_idx"]], kv_cache, index, spec)
 
 
 def _decode_kernel(q: torch.Tensor, kv_cache: PagedKVCache) -> ctypes.CDLL | None:
     """The C decode kernel if it can serve this call: CPU tensors, a contiguous cache of a dtype it
     reads, and the library built. Otherwise None (CUDA, no compiler) and torch attends."""
-    if q.device.type != "cpu" or kv_cache.dtype not in _KERNEL_CACHE_DTYPES or not kv_cache.data.is_contiguous():
+    # The kernel reads the K and V planes separately: each must be dense (MLA's are one plane seen twice).
+    if (q.device.type != "cpu" or kv_cache.dtype not in _KERNEL_CACHE_DTYPES
+            or not (kv_cache.data[0].is_contiguous() and kv_cache.data[1].is_contiguous())):
         return None
     return attention_kernels()
 
@@ -163,29 +183,35 @@ def _kernel_decode(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: PagedKVCache, ba
     rows = tokens if in_place else batch.rows
     tables, seq_lens = batch.tables, batch.seq_lens
     data, scales = kv_cache.data, kv_cache.scales  # scales: an int8 cache's, else None
+    sinks = None if spec.sinks is None else spec.sinks.float().contiguous()
     status = lib.vq_paged_decode(
         q32.data_ptr(), q32.stride(0), rows.data_ptr(), data[0].data_ptr(), data[1].data_ptr(),
         _KERNEL_CACHE_DTYPES[kv_cache.dtype], kv_cache.k_scale, kv_cache.v_scale,
         None if scales is None else scales[0].data_ptr(), None if scales is None else scales[1].data_ptr(),
         tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), len(rows), kv_cache.block_size, spec.num_heads,
         spec.num_kv_heads, spec.head_dim, spec.scale, spec.logit_soft_cap or 0.0,
-        spec.sliding_window or 0, out32.data_ptr(), out32.stride(0), torch.get_num_threads())
+        spec.sliding_window or 0, None if sinks is None else sinks.data_ptr(), spec.chunk_size or 0,
+        out32.data_ptr(), out32.stride(0), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"vq_paged_decode failed ({status})")
     if not in_place:
         out[tokens] = out32.to(out.dtype)
 
 
-def _decode_index(meta: AttentionMetadata, window: int | None, device: torch.device) -> dict:
-    """Block indices and mask for the torch path's batched decode rows; memoised per step and window."""
-    key = ("decode", window)
+def _decode_index(meta: AttentionMetadata, window: int | None, device: torch.device,
+                  chunk: int | None = None) -> dict:
+    """Block indices and mask for the torch path's batched decode rows; memoised per step, window and
+    attention chunk."""
+    key = ("decode", window, chunk)
     if key in meta.cache:
         return meta.cache[key]
     batch = meta.decode
     bs = meta.block_size
-    seq_lens = [meta.seq_lens[r] for r in meta.decode_rows]
+    seq_lens = meta.decode_seq_lens
     # First block each row needs: all for full attention, only the window's for sliding layers.
     first = [0 if window is None else max(0, (n - window)) // bs for n in seq_lens]
+    if chunk is not None:  # from the block holding the start of the token's chunk
+        first = [max(f, (n - 1) // chunk * chunk // bs) for f, n in zip(first, seq_lens)]
     last = [-(-n // bs) for n in seq_lens]
     width = max(b - a for a, b in zip(first, last))
     offsets = torch.arange(width, device=device)
@@ -199,6 +225,8 @@ def _decode_index(meta: AttentionMetadata, window: int | None, device: torch.dev
     visible = k_pos < n
     if window is not None:
         visible &= k_pos > n - 1 - window
+    if chunk is not None:
+        visible &= k_pos >= (n - 1) // chunk * chunk
     index = {"token_idx": batch.token_idx, "blocks": blocks, "visible": visible}
     meta.cache[key] = index
     return index
@@ -215,6 +243,6 @@ def _decode(q: torch.Tensor, kv_cache: PagedKVCache, index: dict, spec: Attentio
     qh = q.view(batch, spec.num_kv_heads, group, 1, dim)
     scores = _scores(qh, keys, spec)  # [B, kvh, g, 1, L]
     scores = scores.masked_fill(~index["visible"][:, None, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    probs = _softmax(scores, spec).to(q.dtype)
     out = _grouped_matmul(probs, values)  # [B, kvh, g, 1, d]
     return out.reshape(batch, spec.num_heads, dim)

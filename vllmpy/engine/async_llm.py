@@ -25,6 +25,7 @@ from typing import AsyncIterator
 
 from vllmpy.config import EngineConfig
 from vllmpy.engine.llm_engine import EngineStats, LLMEngine, PromptType
+from vllmpy.lora.request import LoRARequest
 from vllmpy.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
@@ -44,6 +45,7 @@ class AddCommand:
     prompt: PromptType
     params: SamplingParams | PoolingParams
     priority: int
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,9 @@ class AsyncLLM:
         return not self._thread.is_alive()
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | PoolingParams,
-                       request_id: str | None = None, priority: int = 0,
-                       delta: bool = False) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
+                       request_id: str | None = None, priority: int = 0, delta: bool = False,
+                       lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Yield outputs until finished: cumulative, or only what is new since the last yield (delta).
 
         Leaving the iteration early (a client disconnect cancels it) aborts the request and frees its
@@ -102,7 +105,7 @@ class AsyncLLM:
         try:
             if self._death is not None:
                 raise EngineDeadError(self._death)
-            self._send(AddCommand(request_id, prompt, sampling_params, priority))
+            self._send(AddCommand(request_id, prompt, sampling_params, priority, lora_request))
             sent: dict[int, tuple[int, int]] = {}
             while True:
                 output = await stream.queue.get()
@@ -122,6 +125,14 @@ class AsyncLLM:
         """The prompt's embedding (it arrives whole, in one output); cancelling aborts the request."""
         async with aclosing(self.generate(prompt, pooling_params, request_id, priority)) as outputs:
             return await anext(outputs)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter (vLLM's AsyncLLM.add_lora). It runs beside the loop thread: the adapter
+        cache it fills is locked, and the engine's slots are written only by the loop."""
+        return await asyncio.to_thread(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
 
     async def abort(self, request_id: str) -> None:
         self._send(AbortCommand(request_id))
@@ -160,7 +171,8 @@ class AsyncLLM:
 
     def _handle(self, command: AddCommand | AbortCommand) -> None:
         if isinstance(command, AddCommand):
-            self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority)
+            self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority,
+                                    lora_request=command.lora_request)
         else:
             self.engine.abort_request([command.request_id])
 

@@ -6,18 +6,26 @@ import logging
 
 import torch
 
+from vllmpy import profiling
 from vllmpy.attention.kv_dtype import announce_kv_cache_dtype, resolve_kv_cache_dtype
 from vllmpy.config import EngineConfig
+from vllmpy.distributed import DistributedEngineError, start_executor
 from vllmpy.engine.kv_cache_spec import KVCacheConfig, KVCacheLayout
+from vllmpy.engine.recurrent_config import fit_to_pool, ssm_cache_dtype
 from vllmpy.engine.request import Request, RequestStatus
 from vllmpy.engine.schedule_types import ModelRunnerOutput, SchedulerOutput
 from vllmpy.engine.scheduler import Scheduler
 from vllmpy.layers.pooler import Pooler, classifier_activation, pooler_config, sentence_transformers_max_len
 from vllmpy.loader.model_loader import Checkpoint, build_model, open_checkpoint, resolve_device, resolve_dtype
+from vllmpy.lora.manager import LoRAManager
+from vllmpy.lora.request import LoRARequest
 from vllmpy.models.registry import POOLING_TASKS, resolve_model_class, resolve_task
-from vllmpy.runner.memory import CPU_AUTO_KV_CAP, available_memory_bytes, resolve_num_blocks
+from vllmpy.multimodal.processor import MultiModalProcessor
+from vllmpy.multimodal.scheduling import encoder_scheduler_for
+from vllmpy.runner.memory import CPU_AUTO_KV_CAP, available_memory_bytes, size_kv_pool
 from vllmpy.runner.model_runner import ModelRunner
 from vllmpy.sampling.logits_processors import resolve_logits_processors
+from vllmpy.spec_decode.drafter import build_drafter
 from vllmpy.structured_output.manager import StructuredOutputManager
 from vllmpy.tokenizer import IncrementalDetokenizer
 
@@ -38,8 +46,12 @@ class EngineCore:
             self.pooler = Pooler(pooler_config(self.checkpoint.path, model_cls.default_pooling_type))
             config = self._whole_prompts(config, model_cls.is_causal)
         self.config = config
+        # --tensor-parallel-size > 1: worker processes load the other shards meanwhile (vllmpy/distributed)
+        self.executor = start_executor(config, self.checkpoint.config, self.device, self.dtype, self.task,
+                                       self.max_model_len)
         # Models may depend on the serving length (LongRoPE picks its frequencies by it).
-        self.model = build_model(self.checkpoint, self.dtype, self.device, self.task, self.max_model_len)
+        self.model = build_model(self.checkpoint, self.dtype, self.device, self.task, self.max_model_len,
+                                 None if self.executor is None else self.executor.group)
         if self.task == "classify":  # the model's head turns the pooled state into logits
             self.pooler = Pooler(self.pooler.config, self.model.classify, classifier_activation(self.checkpoint.config))
         self.tokenizer = self.checkpoint.tokenizer
@@ -48,20 +60,36 @@ class EngineCore:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.checkpoint.path,
                                                      self.checkpoint.config)
         announce_kv_cache_dtype(self.kv_cache_dtype, self.model.attention_layers())
-        layout = KVCacheLayout.from_specs(
-            self.model.kv_cache_specs(config.cache.block_size, self.kv_cache_dtype.dtype), self.max_model_len)
-        self.num_blocks, info = resolve_num_blocks(
+        layout = KVCacheLayout.from_specs(self.model.kv_cache_specs(
+            config.cache.block_size, self.kv_cache_dtype.dtype, ssm_cache_dtype(config.cache.mamba_ssm_cache_dtype)),
+            self.max_model_len)
+        size = size_kv_pool(
             config.cache, layout, available_memory_bytes(self.device), self.max_model_len,
             config.scheduler.max_num_batched_tokens, max_num_seqs=config.scheduler.max_num_seqs,
             cap_bytes=CPU_AUTO_KV_CAP if self.device.type == "cpu" else None)
-        logger.info(info)
-        self.kv_cache_config = KVCacheConfig(self.num_blocks, layout)
+        logger.info(size.info)
+        config = self.config = fit_to_pool(config, layout, size, self._arch)  # seats bound max_num_seqs
+        self.num_blocks = size.num_blocks
+        self.kv_cache_config = KVCacheConfig(size.num_blocks, layout, size.num_seats)
+        # --enable-lora: every adaptable linear layer gets adapter slots (vllmpy/lora)
+        self.lora = LoRAManager(self.model, config.lora, self.device, self.dtype) if config.lora.enable_lora else None
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.kv_cache_config,
                                   self.vocab_size, self.eos_token_ids,
                                   StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                                           config.model.structured_outputs_config),
-                                  resolve_logits_processors(config.model.logits_processors), self.pooler)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_cache_config, self.max_model_len)
+                                  resolve_logits_processors(config.model.logits_processors), self.pooler,
+                                  lora=self.lora)
+        if self.executor is not None:  # the workers size their KV shards by the driver's layout
+            self.executor.start(self.runner, self.kv_cache_config)
+        drafter = build_drafter(config.model.speculative_config, layout, self.task)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_cache_config, self.max_model_len, drafter,
+                                   max_loras=config.lora.max_loras if self.lora is not None else None,
+                                   encoder=encoder_scheduler_for(self.model, config.scheduler))
+        # Images: None for a text-only model (a prompt with images is then refused naming the model).
+        self.mm_processor = MultiModalProcessor.for_model(self.model, self.checkpoint.path, self.tokenizer,
+                                                          config.model.limit_mm_per_prompt)
+        if profiling.enabled():  # VLLMPY_PROFILE=1: per-step phase times on stderr
+            profiling.attach(self)
 
     def _default_max_model_len(self) -> int:
         """The checkpoint's context; an embedding model's sentence-transformers max_seq_length, as vLLM."""
@@ -90,6 +118,8 @@ class EngineCore:
         prompt_len = request.num_prompt_tokens
         if prompt_len == 0:
             raise ValueError("prompt is empty: at least one token is needed")
+        if request.lora_request is not None:
+            self.load_lora(request.lora_request)
         if request.is_pooling:
             self._check_pooling(request)
             self.scheduler.add_request(request)
@@ -121,6 +151,13 @@ class EngineCore:
     def _arch(self) -> str:
         return (self.checkpoint.config.get("architectures") or ["?"])[0]
 
+    def load_lora(self, lora_request: LoRARequest) -> None:
+        """Refuse an adapter when LoRA is off; load and check it now (a refusal names what is wrong)."""
+        if self.lora is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} was given but LoRA is not enabled; start "
+                             f"the engine with --enable-lora (LLM(enable_lora=True))")
+        self.lora.add_lora(lora_request)
+
     def _check_pooling(self, request: Request) -> None:
         if self.task not in POOLING_TASKS:
             raise ValueError(f"model {self._arch} is a generative model (task generate): it does not serve "
@@ -143,6 +180,11 @@ class EngineCore:
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
         self.scheduler.finish_requests(req_ids, status)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do in one process); also run at exit."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -162,7 +204,10 @@ class EngineCore:
         if scheduler_output.is_empty:
             return [], None, scheduler_output
         try:
-            runner_output = self.runner.execute(scheduler_output)
+            runner_output = (self.runner.execute(scheduler_output) if self.executor is None
+                             else self.executor.execute(scheduler_output))
+        except DistributedEngineError:  # a rank is gone: no later step can run either
+            raise
         except Exception as exc:
             logger.exception("a step of %d requests failed: failing those requests", len(scheduler_output.chunks))
             runner_output = _failed_step(scheduler_output, f"its step's forward raised {type(exc).__name__}: {exc}")

@@ -10,11 +10,14 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 BlockHash = bytes
 # Everything a cached block must match for a hash hit to count: (parent hash, token ids, extra keys).
 BlockKey = tuple[BlockHash, tuple[int, ...], tuple]
+
+# A block's own extra keys from its token range [start, end) (image content hashes).
+PositionKeys = Callable[[int, int], tuple]
 
 _ROOT_HASH = bytes(32)  # parent of a request's first block; fixed width keeps the encoding unambiguous
 
@@ -35,18 +38,30 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
 
 
 def extend_chain_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        num_blocks: int) -> list[BlockHash]:
-    """Grow `hashes` (a request's chain so far) to its first `num_blocks` full blocks."""
+                        num_blocks: int, extra_keys: tuple = (), position_keys: PositionKeys | None = None
+                        ) -> list[BlockHash]:
+    """Grow `hashes` (a request's chain so far) to its first `num_blocks` full blocks. `extra_keys` (the
+    request's LoRA adapter) go into every block's hash, as vLLM's: two adapters never share a block.
+    `position_keys(start, end)` adds a block's own keys (the images its positions show)."""
     for index in range(len(hashes), num_blocks):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, token_ids[index * block_size:(index + 1) * block_size]))
+        keys = _block_keys(extra_keys, position_keys, block_size, index)
+        hashes.append(hash_block_tokens(parent, token_ids[index * block_size:(index + 1) * block_size], keys))
     return hashes
 
 
-def block_key(hashes: Sequence[BlockHash], token_ids: Sequence[int], block_size: int, index: int) -> BlockKey:
-    """What block `index` of this chain must match: its parent's hash and its own tokens."""
+def block_key(hashes: Sequence[BlockHash], token_ids: Sequence[int], block_size: int, index: int,
+              extra_keys: tuple = (), position_keys: PositionKeys | None = None) -> BlockKey:
+    """What block `index` of this chain must match: its parent's hash, its own tokens, its extra keys."""
     parent = hashes[index - 1] if index else _ROOT_HASH
-    return parent, tuple(token_ids[index * block_size:(index + 1) * block_size]), ()
+    return (parent, tuple(token_ids[index * block_size:(index + 1) * block_size]),
+            _block_keys(extra_keys, position_keys, block_size, index))
+
+
+def _block_keys(extra_keys: tuple, position_keys: PositionKeys | None, block_size: int, index: int) -> tuple:
+    if position_keys is None:
+        return extra_keys
+    return extra_keys + position_keys(index * block_size, (index + 1) * block_size)
 
 
 class KVBlock:

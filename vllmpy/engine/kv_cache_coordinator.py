@@ -5,13 +5,15 @@ the coordinator answers for all groups at once and never lets the scheduler see 
 hit is the longest length every group can serve (each kind decides what it needs to hold for it).
 Allocation is all or nothing across groups. Blocks are published to the cache once their tokens are
 computed, for prompt and generated tokens alike, so a preempted request or a follow-up turn finds them.
+A model with recurrent layers also needs a free seat to admit a request; its block table has one more
+"group" at the end whose one entry is that seat (vLLM's Mamba manager holds one block per request).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from vllmpy.engine.kv_cache import BlockHash, BlockKey, BlockPool, KVBlock, block_key, extend_chain_hashes
-from vllmpy.engine.kv_cache_managers import manager_for
+from vllmpy.engine.kv_cache_managers import SeatManager, manager_for
 from vllmpy.engine.kv_cache_spec import KVCacheConfig
 from vllmpy.engine.request import Request
 
@@ -23,8 +25,10 @@ class KVCacheCoordinator:
     def __init__(self, config: KVCacheConfig, enable_caching: bool) -> None:
         self.block_size = config.block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(config.num_blocks, enable_caching)
+        # A model without attention layers holds no blocks; one unused block keeps the pool's accounting defined.
+        self.pool = BlockPool(max(config.num_blocks, 1), enable_caching)
         self.managers = tuple(manager_for(group.spec, self.pool, index) for index, group in enumerate(config.groups))
+        self.seats = SeatManager(config.num_seats) if config.layout.recurrent else None
         self._no_hit: GroupBlocks = tuple([] for _ in self.managers)
         self._hashes: dict[str, list[BlockHash]] = {}  # chain hashes of the request's full blocks
         # Leading blocks already offered to the cache; a request is known here from its first allocation.
@@ -42,11 +46,14 @@ class KVCacheCoordinator:
 
     @property
     def usage(self) -> float:
+        if not self.managers and self.seats is not None:  # recurrent layers only: the seats are the pool
+            return 1.0 - self.seats.num_free / self.seats.num_seats
         return self.pool.usage
 
     def block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's block table in every group."""
-        return tuple(manager.block_ids(request_id) for manager in self.managers)
+        """The request's block table in every group (then its seat, for a model with recurrent layers)."""
+        tables = tuple(manager.block_ids(request_id) for manager in self.managers)
+        return tables if self.seats is None else (*tables, [self.seats.seats[request_id]])
 
     def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
         """Longest cached prefix every group can serve, as (blocks per group, num_tokens). Pure lookup.
@@ -62,7 +69,8 @@ class KVCacheCoordinator:
 
         def key_of(index: int) -> BlockKey:
             if index not in keys:
-                keys[index] = block_key(hashes, request.all_token_ids, self.block_size, index)
+                keys[index] = block_key(hashes, request.all_token_ids, self.block_size, index,
+                                        request.block_extra_keys, request.image_keys)
             return keys[index]
 
         # Each group may shorten the hit; a shorter length must be rechecked by the others (a window's
@@ -84,7 +92,7 @@ class KVCacheCoordinator:
         """
         req_id = request.request_id
         hits = computed_blocks or self._no_hit
-        num_hit_blocks = len(hits[0])
+        num_hit_blocks = len(hits[0]) if hits else 0
         num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
         num_tokens = num_computed + num_new_tokens
         for manager in self.managers:
@@ -93,7 +101,12 @@ class KVCacheCoordinator:
                      for manager, blocks in zip(self.managers, hits))
         if needed > self.pool.num_free_blocks:
             return False
-        if req_id not in self._num_published:  # first allocation: take the hit, count the lookup, once
+        first = req_id not in self._num_published
+        if first and self.seats is not None:
+            if not self.seats.num_free:
+                return False
+            self.seats.assign(req_id)
+        if first:  # take the hit, count the lookup, once
             for manager, blocks in zip(self.managers, hits):
                 manager.add_hits(req_id, blocks)
             self._record_lookup(request, num_hit_blocks)
@@ -111,10 +124,18 @@ class KVCacheCoordinator:
         if num_full <= start:
             return
         hashes = self._chain_hashes(request, num_full)
-        keys = [block_key(hashes, request.all_token_ids, self.block_size, index) for index in range(start, num_full)]
+        keys = [block_key(hashes, request.all_token_ids, self.block_size, index, request.block_extra_keys,
+                          request.image_keys) for index in range(start, num_full)]
         for manager in self.managers:
             manager.cache_blocks(request.request_id, hashes, keys, start)
         self._num_published[request.request_id] = num_full
+
+    def trim(self, request: Request, num_tokens: int) -> bool:
+        """Return the blocks past the request's first `num_tokens` tokens in every group: speculation
+        allocated them for drafts the verifier rejected. True if any table got shorter."""
+        dropped = [block for manager in self.managers for block in manager.trim(request.request_id, num_tokens)]
+        self.pool.free(dropped)
+        return bool(dropped)
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks in every group (finished, aborted or preempted)."""
@@ -122,6 +143,8 @@ class KVCacheCoordinator:
         self._hashes.pop(request.request_id, None)
         self._num_published.pop(request.request_id, None)
         self.pool.free(_tail_first(tables))
+        if self.seats is not None:
+            self.seats.release(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
@@ -137,7 +160,8 @@ class KVCacheCoordinator:
     def _chain_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """Hashes of the first `num_blocks` full blocks, extended incrementally as tokens arrive."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        return extend_chain_hashes(hashes, request.all_token_ids, self.block_size, num_blocks)
+        return extend_chain_hashes(hashes, request.all_token_ids, self.block_size, num_blocks, request.block_extra_keys,
+                                   request.image_keys)
 
 
 def _tail_first(tables: Sequence[list[KVBlock | None]]) -> list[KVBlock]:

@@ -62,6 +62,17 @@ class SingleTypeManager(ABC):
         for offset, key in enumerate(keys):
             self.pool.cache_block(table[start + offset], hashes[start + offset], key, self.group)
 
+    def trim(self, req_id: str, num_tokens: int) -> list[KVBlock]:
+        """Drop the table's blocks past the first num_tokens tokens (they hold only rejected drafts, never
+        published); returns them, last first, for the pool."""
+        table = self.tables.get(req_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not table or len(table) <= keep:
+            return []
+        dropped = table[keep:]
+        del table[keep:]
+        return [block for block in reversed(dropped) if block is not None]
+
     def pop(self, req_id: str) -> list[KVBlock | None]:
         return self.tables.pop(req_id, [])
 
@@ -128,6 +139,30 @@ class SlidingWindowManager(SingleTypeManager):
         self.pool.free(freed)
 
 
+class SeatManager:
+    """Recurrent-state seats: one per running request, taken at its first allocation and given back when
+    it finishes, aborts or is preempted (it then recomputes its state from scratch). A seat indexes every
+    recurrent layer's state tensors, so one manager serves all recurrent layers."""
+
+    def __init__(self, num_seats: int) -> None:
+        self.num_seats = num_seats
+        self._free = list(range(num_seats - 1, -1, -1))  # lowest seat handed out first
+        self.seats: dict[str, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def assign(self, req_id: str) -> None:
+        if req_id not in self.seats:
+            self.seats[req_id] = self._free.pop()
+
+    def release(self, req_id: str) -> None:
+        seat = self.seats.pop(req_id, None)
+        if seat is not None:
+            self._free.append(seat)
+
+
 MANAGERS: dict[type[KVCacheSpec], type[SingleTypeManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
@@ -135,7 +170,8 @@ MANAGERS: dict[type[KVCacheSpec], type[SingleTypeManager]] = {
 
 
 def manager_for(spec: KVCacheSpec, pool: BlockPool, group: int) -> SingleTypeManager:
-    manager_cls = MANAGERS.get(type(spec))
+    # The nearest registered kind in the spec's class tree (MLA's latent spec is a full-attention spec).
+    manager_cls = next((MANAGERS[cls] for cls in type(spec).__mro__ if cls in MANAGERS), None)
     if manager_cls is None:
         raise ValueError(f"no KV cache manager for {type(spec).__name__}; known: "
                          f"{', '.join(cls.__name__ for cls in MANAGERS)}")

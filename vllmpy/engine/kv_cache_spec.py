@@ -5,6 +5,9 @@ table per request. Every group has the same number of layers, so one pool block 
 `layers_per_group` shared tensors whichever group holds it: all groups draw on one block pool and one
 byte budget (vLLM's hybrid allocator). A new kind of state adds a spec here and a manager in
 kv_cache_managers.py; the scheduler only talks to the coordinator and never sees the kind.
+
+Recurrent layers (layers/recurrent_state.py) hold no blocks: each running request owns one seat, an index
+into every recurrent layer's fixed-size state tensors, sized out of the same byte budget (runner/memory.py).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 
 from vllmpy.attention.kv_storage import PagedKVCache, element_bytes
 from vllmpy.errors import UnsupportedCheckpointError
+from vllmpy.layers.recurrent_state import RecurrentStateSpec
 
 
 def cdiv(a: int, b: int) -> int:
@@ -120,17 +124,24 @@ class KVCacheLayout:
     """The groups and the shared tensors they index: layer `i` of every group lives in tensor `i`."""
 
     groups: tuple[KVCacheGroup, ...]
+    # (layer index, spec) of every recurrent layer: a request's one seat indexes all of their states
+    recurrent: tuple[tuple[int, RecurrentStateSpec], ...] = ()
 
     @classmethod
-    def from_specs(cls, specs: Sequence[KVCacheSpec], max_model_len: int) -> KVCacheLayout:
+    def from_specs(cls, specs: Sequence[KVCacheSpec | RecurrentStateSpec], max_model_len: int) -> KVCacheLayout:
         """Group equal specs, then cut every group to the smallest one's layer count so all groups
         span the same tensors (a spec's last group may come up short: its missing slots stay unused,
-        as vLLM pads). Equal-sized groups are what let one block id mean one page per tensor."""
+        as vLLM pads). Equal-sized groups are what let one block id mean one page per tensor.
+        Recurrent layers stand apart: they hold seats, not blocks."""
         if not specs:
             raise ValueError("a model needs at least one layer with a KV cache")
+        recurrent = tuple((i, spec) for i, spec in enumerate(specs) if isinstance(spec, RecurrentStateSpec))
         by_spec: dict[KVCacheSpec, list[int]] = {}
         for index, spec in enumerate(specs):
-            by_spec.setdefault(spec.held_as(max_model_len), []).append(index)
+            if not isinstance(spec, RecurrentStateSpec):
+                by_spec.setdefault(spec.held_as(max_model_len), []).append(index)
+        if not by_spec:  # a model of recurrent layers only (Mamba2)
+            return cls((), recurrent)
         pages = {spec.page_bytes for spec in by_spec}
         if len(pages) > 1:
             kinds = ", ".join(f"{s.label}: layers {v[0]}.. ({s.page_bytes} B/block)" for s, v in by_spec.items())
@@ -139,24 +150,30 @@ class KVCacheLayout:
                 f"must have the same KV heads, head_dim and cache dtype")
         size = min(len(layers) for layers in by_spec.values())
         return cls(tuple(KVCacheGroup(spec, tuple(layers[start:start + size]))
-                         for spec, layers in by_spec.items() for start in range(0, len(layers), size)))
+                         for spec, layers in by_spec.items() for start in range(0, len(layers), size)), recurrent)
 
     @property
     def block_size(self) -> int:
-        return self.groups[0].spec.block_size
+        return self.groups[0].spec.block_size if self.groups else 1  # no attention: blocks are never used
 
     @property
     def layers_per_group(self) -> int:
         """The number of shared tensors, each holding one page of every block."""
-        return max(len(group.layers) for group in self.groups)
+        return max((len(group.layers) for group in self.groups), default=0)
 
     @property
     def num_layers(self) -> int:
-        return sum(len(group.layers) for group in self.groups)
+        """Every stateful layer: attention layers of all groups and recurrent ones."""
+        return sum(len(group.layers) for group in self.groups) + len(self.recurrent)
 
     @property
     def page_bytes(self) -> int:
-        return self.groups[0].spec.page_bytes
+        return self.groups[0].spec.page_bytes if self.groups else 0
+
+    @property
+    def state_bytes_per_seq(self) -> int:
+        """Bytes of one seat: every recurrent layer's state for one sequence."""
+        return sum(spec.bytes_per_seq for _, spec in self.recurrent)
 
     @property
     def block_bytes(self) -> int:
@@ -185,7 +202,12 @@ class KVCacheLayout:
             counts[group.spec] = counts.get(group.spec, 0) + 1
         kinds = ", ".join(f"{spec.label} x{n} (up to {spec.max_blocks(max_model_len, max_chunk)} blocks/seq each)"
                           for spec, n in counts.items())
-        return f"{len(self.groups)} group(s) of {self.layers_per_group} layer(s): {kinds}"
+        text = f"{len(self.groups)} group(s) of {self.layers_per_group} layer(s): {kinds}" if self.groups else \
+            "no attention layers"
+        if self.recurrent:
+            text += (f"; {len(self.recurrent)} {self.recurrent[0][1].label} layer(s) with "
+                     f"{self.state_bytes_per_seq} B of state per sequence")
+        return text
 
 
 @dataclass(frozen=True)
@@ -194,6 +216,7 @@ class KVCacheConfig:
 
     num_blocks: int
     layout: KVCacheLayout
+    num_seats: int = 0  # recurrent-state seats (the most running requests); 0 without recurrent layers
 
     @property
     def groups(self) -> tuple[KVCacheGroup, ...]:

@@ -58,6 +58,7 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[ParentState, SequenceState]] = {}
         self._token_text: dict[int, str] = {}
+        self.num_generated_tokens = 0  # output tokens the stop pass kept, over every request since start
 
     def add(self, request_id: str, prompt: str | None, children: list[Request]) -> ParentState:
         params = children[0].sampling_params
@@ -126,10 +127,13 @@ class OutputProcessor:
             parent.metrics.first_token_time = parent.metrics.first_token_time or now
             parent.metrics.last_token_time = now
             parent.metrics.num_generation_tokens += new
+            self.num_generated_tokens += new
+            parent.metrics.num_draft_tokens = sum(s.request.num_draft_tokens for s in parent.sequences)
+            parent.metrics.num_accepted_tokens = sum(s.request.num_accepted_tokens for s in parent.sequences)
             seq.num_tokens = request.num_output_tokens
             self._add_text(seq)
             if row is not None:
-                self._add_logprobs(seq, runner_output.logprobs[row])
+                self._add_logprobs(seq, (runner_output.logprobs[row] or [])[:new])
         if request.is_finished and seq.finish_reason is None:
             seq.finish_reason = request.status.finish_reason
             seq.stop_reason = request.stop_reason
@@ -156,10 +160,13 @@ class OutputProcessor:
         text = request.detokenizer.output_text if request.detokenizer is not None else ""
         seq.text = text if request.output_text_len is None else text[:request.output_text_len]
 
-    def _add_logprobs(self, seq: SequenceState, logprobs: SampledLogprobs | None) -> None:
-        if seq.logprobs is not None and logprobs is not None:
-            seq.logprobs.append(self._position(logprobs))
-            seq.cumulative_logprob += logprobs.logprobs[0]
+    def _add_logprobs(self, seq: SequenceState, entries: list[SampledLogprobs]) -> None:
+        """The kept tokens' entries (the stop pass may have dropped the step's later tokens)."""
+        if seq.logprobs is None:
+            return
+        for entry in entries:
+            seq.logprobs.append(self._position(entry))
+            seq.cumulative_logprob += entry.logprobs[0]
 
     def visible_text(self, seq: SequenceState) -> str:
         """Hold back a tail that could still grow into a stop string (never shown, then retracted)."""

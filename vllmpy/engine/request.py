@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 import time
 
+from vllmpy.lora.request import LoRARequest
+from vllmpy.multimodal.inputs import ImageFeature, image_hashes
 from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
 from vllmpy.tokenizer import IncrementalDetokenizer
@@ -59,11 +61,16 @@ class Request:
         priority: int = 0,
         max_tokens: int | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        mm_features: list[ImageFeature] | None = None,
     ) -> None:
         self.request_id = request_id
+        # The prompt's images in prompt order: their placeholder spans, pixels and content hashes.
+        self.mm_features: list[ImageFeature] = list(mm_features or ())
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
+        self.lora_request = lora_request  # the adapter it runs on (None: the base model)
         self.kind = RequestKind.POOL if pooling_params is not None else RequestKind.GENERATE
         if (sampling_params is None) == (self.kind is RequestKind.GENERATE):
             raise ValueError(f"request {request_id!r}: give sampling_params to generate or pooling_params "
@@ -80,6 +87,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
         self.num_preemptions = 0
+        # Speculative decoding: draft tokens verified for this request, and how many of them were kept.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None
@@ -93,6 +103,12 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def block_extra_keys(self) -> tuple:
+        """What its KV depends on besides the tokens (the prefix cache's extra hash keys): the adapter."""
+        lora = self.lora_request
+        return () if lora is None else ("lora", lora.lora_int_id, lora.lora_name)
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -103,6 +119,10 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def image_keys(self, start: int, end: int) -> tuple:
+        """Extra hash keys of the KV block holding positions [start, end): the images it shows."""
+        return image_hashes(self.mm_features, start, end) if self.mm_features else ()
 
     @property
     def is_pooling(self) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllmpy.engine.request import RequestKind
+from vllmpy.lora.request import LoRARequest
+from vllmpy.multimodal.inputs import ImageFeature
 from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
 
@@ -18,6 +20,8 @@ class NewRequestData:
     sampling_params: SamplingParams | None  # None for a pooling request
     pooling_params: PoolingParams | None = None
     kind: RequestKind = RequestKind.GENERATE
+    lora_request: LoRARequest | None = None  # the adapter its rows run on (None: the base model)
+    mm_features: list[ImageFeature] = field(default_factory=list)  # its images: spans, pixels, hashes
 
 
 @dataclass
@@ -29,6 +33,10 @@ class ScheduledChunk:
     start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
     block_ids: tuple[list[int], ...]  # the request's whole block table in each KV cache group
     sample: bool  # chunk ends at the request's last known token: sample the next one (or pool the prompt)
+    # The last num_draft_tokens of token_ids are speculative drafts to verify (never before the last known
+    # token); the runner then returns 1..num_draft_tokens + 1 tokens for this chunk.
+    num_draft_tokens: int = 0
+    encoder_inputs: list[int] = field(default_factory=list)  # its images (mm_features indices) to encode now
 
 
 @dataclass
@@ -37,6 +45,9 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # the runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests whose block tables lost their tail (blocks of rejected drafts) since the last step: the
+    # number of blocks each group's table kept. Their chunks' block_ids are the new whole tables.
+    trimmed_blocks: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -61,8 +72,8 @@ class ModelRunnerOutput:
     """Per scheduled chunk, in the same order as SchedulerOutput.chunks."""
 
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]  # [] for a chunk that did not sample
-    logprobs: list[SampledLogprobs | None]  # for the sampled token, when requested
+    sampled_token_ids: list[list[int]]  # [] for a chunk that did not sample; several after verified drafts
+    logprobs: list[list[SampledLogprobs] | None]  # one per sampled token, when requested
     # Prompt logprobs computed this step: one entry per prompt position covered (None for position 0).
     prompt_logprobs: dict[str, list[SampledLogprobs | None]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # requests that failed alone this step

@@ -4,7 +4,20 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from vllmpy.config import DEVICES, DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, TASKS, EngineConfig, engine_arg_names
+from vllmpy.config import (
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LORA_RANKS,
+    MAMBA_SSM_CACHE_DTYPES,
+    SCHEDULING_POLICIES,
+    TASKS,
+    EngineConfig,
+    engine_arg_names,
+)
+from vllmpy.distributed.config import EXECUTOR_BACKENDS
+from vllmpy.spec_decode.config import SpeculativeConfig
+from vllmpy.multimodal.media import DEFAULT_FETCH_TIMEOUT, DEFAULT_MAX_BYTES
 from vllmpy.structured_output.config import StructuredOutputsConfig
 
 
@@ -33,6 +46,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto = the checkpoint's declared kv_cache_quant_algo, else the model "
                         "dtype; fp8 (= fp8_e4m3) / fp8_e5m2: 1 byte per value over the checkpoint's "
                         "k_scale/v_scale (else 1.0); int8: 1 byte per value and an fp16 scale per 32")
+    g.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
+                   help="storage of recurrent layers' SSM / delta-rule state (Mamba2, Gated DeltaNet); auto = "
+                        "float32")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="automatic prefix caching")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
@@ -42,8 +58,46 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help='vLLM\'s structured-output defaults as JSON, e.g. \'{"disable_additional_properties": '
                         'true}\' (every JSON schema strict); keys: '
                         + ", ".join(f.name for f in fields(StructuredOutputsConfig)))
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT safetensors)")
+    g.add_argument("--max-loras", type=int, default=1, help="most distinct LoRA adapters in one step")
+    g.add_argument("--max-lora-rank", type=int, default=16,
+                   help=f"highest adapter rank accepted; one of {', '.join(map(str, LORA_RANKS))}")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded in memory (default: --max-loras)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s speculative decoding config, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
+                        '"prompt_lookup_max": 4}\' or \'{"method": "suffix"}\'; keys: '
+                        + ", ".join(f.name for f in fields(SpeculativeConfig)))
     g.add_argument("--seed", type=int, default=None,
                    help="engine random seed (vllm-cli also uses it as the request's sampling seed)")
+    add_image_args(parser)
+    add_parallel_args(parser)
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split every layer over N worker processes (gloo on CPU, NCCL on CUDA)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="only 1 (not built yet)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="only 1 (not built yet)")
+    g.add_argument("--distributed-executor-backend", default=None, choices=EXECUTOR_BACKENDS,
+                   help="mp: worker processes on this host (the default when --tensor-parallel-size > 1); "
+                        "uni: one process; ray: not built yet")
+
+
+def add_image_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("images")
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='most images per prompt, e.g. \'{"image": 2}\' (default: no limit but the context)')
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="the one directory image_url file:// URLs may read (default: file:// is refused)")
+    g.add_argument("--media-fetch-timeout", type=float, default=None,
+                   help=f"seconds an http(s) image_url download may take (default {DEFAULT_FETCH_TIMEOUT})")
+    g.add_argument("--max-media-bytes", type=int, default=None,
+                   help=f"largest encoded image accepted, in bytes (default {DEFAULT_MAX_BYTES})")
+    g.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
+                   help="image tokens the vision encoder may produce in one step (default: "
+                        "--max-num-batched-tokens)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -11,6 +11,9 @@ from tqdm import tqdm
 from vllmpy.config import EngineConfig
 from vllmpy.engine.llm_engine import LLMEngine, PromptType
 from vllmpy.entrypoints.score_utils import PairScorer, as_texts, check_scoring_task, pair_up
+from vllmpy.lora.request import LoRARequest
+from vllmpy.multimodal.chat import load_conversation_images
+from vllmpy.multimodal.media import MediaConfig
 from vllmpy.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -42,10 +45,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one per prompt (None: the base model)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        return self._submit(prompts, sampling_params, "sampling_params", use_tqdm, priority)
+        return self._submit(prompts, sampling_params, "sampling_params", use_tqdm, priority, lora_request)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -92,7 +97,8 @@ class LLM:
 
     def _submit(self, prompts: PromptType | Sequence[PromptType],
                 params: SamplingParams | PoolingParams | Sequence[SamplingParams | PoolingParams], params_name: str,
-                use_tqdm: bool, priority: list[int] | None) -> list:
+                use_tqdm: bool, priority: list[int] | None,
+                lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -101,28 +107,39 @@ class LLM:
             raise ValueError(f"got {len(params)} {params_name} for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             request_id = self.engine.new_request_id()
-            self.engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
+            self.engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0,
+                                    lora_request=loras[i])
             ids.append(request_id)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts = []
+        core = self.engine.core
         for conversation in conversations:
+            conversation, images = load_conversation_images(  # image_url / image_pil parts, as vLLM's
+                conversation, core.mm_processor, MediaConfig.of(self.config.model), core._arch,
+                chat_template or tokenizer.chat_template)
             text = tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tools=tools, chat_template=chat_template,
                 chat_template_kwargs=chat_template_kwargs)
+            if images:  # each marker becomes its image's placeholder tokens before tokenizing
+                text = core.mm_processor.expand_prompt(text, images, "messages")
             # The template already carries BOS and friends.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            prompts.append({**prompt, "multi_modal_data": {"image": images}} if images else prompt)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
         finished: dict[str, RequestOutput | EmbeddingRequestOutput] = {}

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from vllmpy import profiling
 from vllmpy.loader.default_model import cache_dir
 
 logger = logging.getLogger("vllmpy")
@@ -97,6 +98,8 @@ def _bind_blocks(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vq_transpose.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _INT]
     lib.vq_matmul_tiled.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
     lib.vq_matmul_tiled.restype = _INT
+    lib.vq_matmul_small.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
+    lib.vq_matmul_small.restype = _INT
     lib.vq_matmul_tiled_built.argtypes = []
     lib.vq_matmul_tiled_built.restype = _INT
     for fn in (lib.vq_decode_rows, lib.vq_decode_range, lib.vq_decode_range_bf16, lib.vq_matmul, lib.vq_transpose):
@@ -106,31 +109,42 @@ def _bind_blocks(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def _bind_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vq_paged_decode.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _INT, _FLOAT, _FLOAT, _PTR, _PTR, _PTR, _I64, _PTR,
-                                    _I64, _I64, _I64, _I64, _I64, _FLOAT, _FLOAT, _I64, _PTR, _I64, _INT]
+                                    _I64, _I64, _I64, _I64, _I64, _FLOAT, _FLOAT, _I64, _PTR, _I64, _PTR, _I64, _INT]
     lib.vq_paged_decode.restype = _INT
+    return lib
+
+
+def _profiled(lib: ctypes.CDLL | None, kind: str, names: tuple[str, ...]) -> ctypes.CDLL | None:
+    """lib, its calls `names` timed as `kind` under VLLMPY_PROFILE=1 (vllmpy/profiling.py), untouched otherwise."""
+    if lib is not None and profiling.enabled():
+        profiling.time_c_calls(lib, kind, names)
     return lib
 
 
 @functools.cache
 def block_kernels() -> ctypes.CDLL | None:
     """The GGML block kernel library, or None (with a one-line notice) where it cannot be built."""
-    return _load("ggml_blocks.c", _bind_blocks,
-                 "quantized CPU kernels unavailable (%s); GGUF weights are dequantized at load")
+    return _profiled(_load("ggml_blocks.c", _bind_blocks,
+                           "quantized CPU kernels unavailable (%s); GGUF weights are dequantized at load"),
+                     "packed matmul", ("vq_matmul", "vq_matmul_small", "vq_matmul_tiled", "vq_decode_rows",
+                                       "vq_decode_range", "vq_decode_range_bf16", "vq_transpose"))
 
 
 @functools.cache
 def attention_kernels() -> ctypes.CDLL | None:
     """The paged decode-attention library, or None (with a one-line notice) where it cannot be built."""
-    return _load("paged_attention.c", _bind_attention,
-                 "paged-attention CPU kernel unavailable (%s); decode attention gathers the KV blocks in torch")
+    return _profiled(_load("paged_attention.c", _bind_attention, "paged-attention CPU kernel unavailable (%s); "
+                           "decode attention gathers the KV blocks in torch"),
+                     "attention", ("vq_paged_decode",))
 
 
 def _bind_layer_ops(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vq_rms_norm.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT]
-    lib.vq_rope.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
+    lib.vq_add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT]
+    lib.vq_rope.argtypes = [_PTR, _I64, _PTR, _FLOAT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
     lib.vq_row_max.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _INT]
     lib.vq_gated_act.argtypes = [_PTR, _PTR, _I64, _I64, _INT, _INT]
-    for fn in (lib.vq_rms_norm, lib.vq_rope, lib.vq_row_max, lib.vq_gated_act):
+    for fn in (lib.vq_rms_norm, lib.vq_add_rms_norm, lib.vq_rope, lib.vq_row_max, lib.vq_gated_act):
         fn.restype = None
     return lib
 
@@ -139,8 +153,10 @@ def _bind_layer_ops(lib: ctypes.CDLL) -> ctypes.CDLL:
 def layer_kernels() -> ctypes.CDLL | None:
     """RMSNorm, rotary, the gated activation and the sampler's row max in one call each, or None (with a
     one-line notice) where it cannot be built."""
-    return _load("layer_ops.c", _bind_layer_ops,
-                 "layer CPU kernels unavailable (%s); norms, rotary, gated activations and row maxima run as torch ops")
+    return _profiled(_load("layer_ops.c", _bind_layer_ops, "layer CPU kernels unavailable (%s); norms, rotary, "
+                           "gated activations and row maxima run as torch ops"),
+                     "layer ops", ("vq_rms_norm", "vq_add_rms_norm", "vq_rope", "vq_row_max",
+                                    "vq_gated_act"))
 
 
 @functools.cache

@@ -267,6 +267,27 @@ static inline void dec_f8s(const uint8_t *b, float *y) {
     for (int j = 0; j < 32; j++) y[j] = e4m3_table[b[4 + j]] * s;
 }
 
+/* MXFP4 (39, OCP microscaling as GGML stores it): e (u8, an e8m0 exponent), qs[16] e2m1 codes laid out
+ * as Q4_0's. value = k[code] * 2^(e - 128), k the e2m1 values doubled: gguf-py's kvalues and its
+ * ggml_e8m0_to_fp32_half bit pattern (e < 2: the subnormals 2^-128, 2^-127), one exact float product. */
+static const int8_t kvalues_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline void dec_mxfp4(const uint8_t *b, float *y) {
+    const float d = e8m0_half(b[0]);
+    const uint8_t *qs = b + 1;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)kvalues_mxfp4[qs[j] & 0xF];
+        y[j + 16] = d * (float)kvalues_mxfp4[qs[j] >> 4];
+    }
+}
+
 /* Integer row dots for the common types: decode steps read the whole model through these.
  *
  * Per call, each activation row is converted once to block fixed point (FixedRow): each 32-value
@@ -491,6 +512,10 @@ static inline qv block32_q(int type, const uint8_t *b) {
         const __m512i book = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(book8));
         return _mm512_permutexvar_epi16(nibbles32_i16(b + 2), book);
     }
+    case 39: { /* MXFP4: the doubled e2m1 codebook after the scale byte */
+        const __m128i book8 = _mm_loadu_si128((const __m128i *)kvalues_mxfp4);
+        return _mm512_permutexvar_epi16(nibbles32_i16(b + 1), _mm512_castsi256_si512(_mm256_cvtepi8_epi16(book8)));
+    }
     default: return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + 2)));
     }
 }
@@ -526,6 +551,10 @@ static inline __m256i block32_i8(int type, const uint8_t *b) {
     case 20: { /* IQ4_NL: nibbles index the non-linear codebook */
         const __m256i book = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_iq4nl));
         return _mm256_shuffle_epi8(book, nibbles32(b + 2));
+    }
+    case 39: { /* MXFP4: the doubled e2m1 codebook after the scale byte */
+        const __m256i book = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_mxfp4));
+        return _mm256_shuffle_epi8(book, nibbles32(b + 1));
     }
     default: /* Q8_0 */
         return _mm256_loadu_si256((const __m256i *)(b + 2));
@@ -878,6 +907,27 @@ static int fast_decode_range(int type, int bf16, const uint8_t *w, int64_t row_b
     }
 }
 
+/* One MXFP4 block into each row's acc: value = d * k[code], d = 2^(e - 128) a power of two, so d times x's block
+ * scale is exact down to 2^-149. The sums stay finite up to scale byte 216 (|w| < 2^91), far past trained weights. */
+FORCE_INLINE void mxfp4_block(const uint8_t *blk, const FixedRow *x, int rows, int64_t b, fv *acc) {
+    const qv q = block32_q(39, blk);
+    const float d = e8m0_half(blk[0]);
+    for (int r = 0; r < rows; r++) acc[r] = fv_fma(d * x[r].scale[b], fx_dot(q, x[r].q + 64 * b), acc[r]);
+}
+
+/* MXFP4 rows as in row_dot32, two FMA chains over alternate blocks. */
+FORCE_INLINE void row_dot_mxfp4(const uint8_t *row, const FixedRow *x, int rows, int64_t nb, float *out) {
+    fv acc0[SHARE], acc1[SHARE];
+    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = fv_zero();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        mxfp4_block(row + 17 * b, x, rows, b, acc0);
+        mxfp4_block(row + 17 * (b + 1), x, rows, b + 1, acc1);
+    }
+    if (b < nb) mxfp4_block(row + 17 * b, x, rows, b, acc0);
+    for (int r = 0; r < rows; r++) out[r] = fv_sum(fv_add(acc0[r], acc1[r]));
+}
+
 /* Whether `type` has an integer row dot here. */
 static inline int has_row_dot(int type) {
     return type == 2 || type == 3 || type == 6 || type == 7 || type == 8 || type == 20 || type == 12 || type == 13 ||
@@ -897,6 +947,7 @@ FORCE_INLINE void row_dots(int type, const uint8_t *row, const FixedRow *x, int 
     case 12: row_dot_k45(12, 144, row, x, rows, k / QK_K, out); break;
     case 13: row_dot_k45(13, 176, row, x, rows, k / QK_K, out); break;
     case 14: row_dot_q6_k(row, x, rows, k / QK_K, out); break;
+    case 39: row_dot_mxfp4(row, x, rows, k / 32, out); break;
     default: row_dot32(8, 34, row, x, rows, k / 32, out); break;
     }
 }
@@ -937,7 +988,7 @@ static void fixed_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t r0
     switch (type) {
 #define FIXED_ROWS(T) case T: fixed_rows_of(T, w, row_bytes, r0, r1, k, x, m_rows, y, ldy); break;
     FIXED_ROWS(2) FIXED_ROWS(3) FIXED_ROWS(6) FIXED_ROWS(7) FIXED_ROWS(8) FIXED_ROWS(20) FIXED_ROWS(12) FIXED_ROWS(13)
-    FIXED_ROWS(14)
+    FIXED_ROWS(14) FIXED_ROWS(39)
 #undef FIXED_ROWS
     }
 }
@@ -1040,6 +1091,7 @@ DEFINE_MATMUL(q8z, dec_q8z, 32)
 DEFINE_MATMUL(f8s, dec_f8s, 32)
 DEFINE_MATMUL(q4zf, dec_q4zf, 32)
 DEFINE_MATMUL(q8zf, dec_q8zf, 32)
+DEFINE_MATMUL(mxfp4, dec_mxfp4, 32)
 
 typedef struct {
     int type;        /* GGML type id */
@@ -1057,6 +1109,7 @@ static const Format FORMATS[] = {
     {23, 256, 136, dec_iq4_xs, mm_iq4_xs}, {30, 32, 64, dec_bf16, mm_bf16},
     {200, 32, 19, dec_q4z, mm_q4z},        {201, 32, 36, dec_q8z, mm_q8z},      {202, 32, 36, dec_f8s, mm_f8s},
     {203, 32, 24, dec_q4zf, mm_q4zf},      {204, 32, 40, dec_q8zf, mm_q8zf},
+    {39, 32, 17, dec_mxfp4, mm_mxfp4},
 };
 
 static const Format *find(int type) {
@@ -1260,6 +1313,308 @@ static int tiled_matmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n
 #undef PANEL
 #endif
 
+#ifdef HAVE_ROW_DOT
+/* Small batches (2 to 32 activation rows): int16 dot products vectorized over weight rows.
+ *
+ * The tiled kernel vectorizes over activation rows (each weight value broadcast, starved at 11-16 rows)
+ * and the row dots rebuild each block's integers per SHARE rows. Here each thread takes SB_LANES weight
+ * rows at a time, decodes them once into int16 quant integers q with value = scale_g * q + offset_g per
+ * group g of 16 (Q6_K) or 32 values, and interleaves them so a vector lane is a weight row and a 32-bit
+ * word two consecutive values. Each activation row is rounded per 32-value block to int16 with a
+ * power-of-two scale 2^(e_b - 15), 2^(e_b - 1) <= max|x_b| < 2^e_b: |error| <= 2^-14 * max|x_b| per value
+ * (llama.cpp's int8 blocks err up to 2^-8, which moves the default model's logprobs past the gates'
+ * 1e-3). One vpdpwssd (AVX512-VNNI / AVX-VNNI; else pmaddwd + add) then multiplies SB_LANES weight rows
+ * by a broadcast pair of x; the group's 32-bit sums are exact (|q| <= 128, |x| <= 2^15, 32 products:
+ * < 2^28), and cost one float multiply-add per group and activation row. As in fixed_row, block scales
+ * are relative to the row's largest block and the row's unit multiplies the result. */
+#ifdef FX_512
+#define SB_LANES 16
+#define SB_ROWS 8 /* activation rows whose accumulators stay in registers */
+#define SBV(op) _mm512_##op
+typedef __m512i sb_i;
+typedef __m512 sb_f;
+static inline sb_i sb_zero_i(void) { return _mm512_setzero_si512(); }
+static inline sb_i sb_load_i(const int32_t *p) { return _mm512_load_si512(p); }
+#ifdef __AVX512VNNI__
+#define SB_DPWSSD _mm512_dpwssd_epi32
+#endif
+static inline void qv_store(int16_t *dst, qv q) { _mm512_storeu_si512(dst, q); }
+#else
+#define SB_LANES 8
+#define SB_ROWS 4
+#define SBV(op) _mm256_##op
+typedef __m256i sb_i;
+typedef __m256 sb_f;
+static inline sb_i sb_zero_i(void) { return _mm256_setzero_si256(); }
+static inline sb_i sb_load_i(const int32_t *p) { return _mm256_load_si256((const __m256i *)p); }
+#ifdef __AVXVNNI__
+#define SB_DPWSSD _mm256_dpwssd_avx_epi32
+#endif
+static inline void qv_store(int16_t *dst, qv q) {
+    _mm256_storeu_si256((__m256i *)dst, q.a);
+    _mm256_storeu_si256((__m256i *)(dst + 16), q.b);
+}
+#endif
+
+/* acc + the pairwise products of w's int16 pairs with the broadcast pair x2, summed per 32-bit lane. */
+static inline sb_i sb_dot(sb_i acc, sb_i w, int32_t x2) {
+#ifdef SB_DPWSSD
+    return SB_DPWSSD(acc, w, SBV(set1_epi32)(x2));
+#else
+    return SBV(add_epi32)(acc, SBV(madd_epi16)(w, SBV(set1_epi32)(x2)));
+#endif
+}
+static inline sb_f sb_zero_f(void) { return SBV(setzero_ps)(); }
+static inline sb_f sb_load_f(const float *p) { return SBV(load_ps)(p); }
+static inline sb_f sb_scaled(sb_i dot, sb_f scale, float xs, sb_f acc) {
+    return SBV(fmadd_ps)(SBV(cvtepi32_ps)(dot), SBV(mul_ps)(scale, SBV(set1_ps)(xs)), acc);
+}
+static inline sb_f sb_fma1(sb_f a, float b, sb_f acc) { return SBV(fmadd_ps)(a, SBV(set1_ps)(b), acc); }
+static inline void sb_store(float *y, sb_f v, float unit) {
+    SBV(store_ps)(y, unit ? SBV(mul_ps)(v, SBV(set1_ps)(unit)) : v);
+}
+
+typedef struct {
+    const int32_t *q;  /* k / 2 words: int16 pairs of consecutive values */
+    const float *rel;  /* per 32-value block: 2^(e_b - e_max); 0 for an all-zero block, NaN for a non-finite one */
+    const float *sum;  /* per block: rel * sum of its integers, for the weights' offsets */
+    double unit;       /* 2^(e_max - 15) */
+    float unit_f;      /* unit where it is a normal float, else 0 (the result is then scaled in double) */
+} SbRow;
+
+/* One activation row x (k values) rounded per 32-value block to int16 (see above). */
+static void sb_quantize(const float *x, int64_t k, int16_t *q, float *rel, float *sum, int *expo, SbRow *out) {
+    const int64_t nb = k / 32;
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    int e_max = INT_MIN;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 v[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(x + 32 * b + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], abs_mask));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
+        }
+        const float m = hmax(amax);
+        int16_t *qb = q + 32 * b;
+        if (!_mm256_testz_ps(nan, nan) || m > FLT_MAX || m == 0.0f) {
+            memset(qb, 0, 32 * sizeof(int16_t));
+            expo[b] = m == 0.0f && _mm256_testz_ps(nan, nan) ? INT_MIN : INT_MAX;
+            continue;
+        }
+        uint32_t bits;
+        memcpy(&bits, &m, 4);
+        int e = (int)(bits >> 23) - 126; /* m < 2^e <= 2m */
+        if (bits < 0x00800000u) frexpf(m, &e);
+        const int shift = 15 - e; /* exact: the power of two in two float factors */
+        const __m256 f1 = _mm256_set1_ps(pow2f(shift / 2)), f2 = _mm256_set1_ps(pow2f(shift - shift / 2));
+        __m256i r[4];
+        for (int j = 0; j < 4; j++) r[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[j], f1), f2));
+        const __m256i lo = pack16(r[0], r[1]), hi = pack16(r[2], r[3]); /* 2^15 saturates to 2^15 - 1 */
+        _mm256_storeu_si256((__m256i *)qb, lo);
+        _mm256_storeu_si256((__m256i *)(qb + 16), hi);
+        const __m256i ones = _mm256_set1_epi16(1);
+        sum[b] = (float)hsum_i32(_mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones)));
+        expo[b] = e;
+        if (e > e_max) e_max = e;
+    }
+    if (e_max == INT_MIN) e_max = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        if (expo[b] == INT_MIN || expo[b] == INT_MAX) {
+            rel[b] = sum[b] = expo[b] == INT_MIN ? 0.0f : NAN;
+            continue;
+        }
+        const int p = expo[b] - e_max;
+        rel[b] = p >= -126 ? pow2f(p) : ldexpf(1.0f, p);
+        sum[b] *= rel[b];
+    }
+    out->q = (const int32_t *)q;
+    out->rel = rel;
+    out->sum = sum;
+    out->unit = ldexp(1.0, e_max - 15);
+    out->unit_f = out->unit >= FLT_MIN && out->unit <= FLT_MAX ? (float)out->unit : 0.0f;
+}
+
+/* Weight row `row` as int16 q (k values), scale and (types with a min) offset per group g at g * SB_LANES. */
+FORCE_INLINE void sb_decode_row(int type, int block_bytes, const uint8_t *row, int64_t k, int16_t *q, float *scale,
+                                float *offset) {
+    if (type == 14) { /* Q6_K: groups of 16, value = (d * sc) * (q - 32) */
+        for (int64_t b = 0; b < k / QK_K; b++) {
+            const uint8_t *blk = row + b * block_bytes;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float d = rd_h(blk + 208);
+            for (int half = 0; half < 2; half++) {
+                __m256i quad[4];
+                q6_quads(blk, half, quad);
+                for (int j = 0; j < 4; j++) qv_store(q + QK_K * b + 128 * half + 32 * j, qv_from_i8(quad[j]));
+            }
+            for (int g = 0; g < 16; g++) scale[(16 * b + g) * SB_LANES] = d * (float)sc[g];
+        }
+    } else if (type == 12 || type == 13) { /* Q4_K / Q5_K: (d * sc) * q - dmin * m */
+        for (int64_t b = 0; b < k / QK_K; b++) {
+            const uint8_t *blk = row + b * block_bytes;
+            const uint8_t *qs = blk + (type == 12 ? 16 : 48), *qh = type == 12 ? 0 : blk + 16;
+            uint8_t sc[8], m[8];
+            scales_mins_k4(blk + 4, sc, m);
+            const float d = rd_h(blk), dmin = rd_h(blk + 2);
+            for (int j = 0; j < 4; j++) {
+                qv lo, hi;
+                k45_pair(qs + 32 * j, qh, j, &lo, &hi);
+                qv_store(q + QK_K * b + 64 * j, lo);
+                qv_store(q + QK_K * b + 64 * j + 32, hi);
+            }
+            for (int s = 0; s < 8; s++) {
+                scale[(8 * b + s) * SB_LANES] = d * (float)sc[s];
+                offset[(8 * b + s) * SB_LANES] = -(dmin * (float)m[s]);
+            }
+        }
+    } else { /* 32-value blocks: d * q, plus m for Q4_1 / Q5_1 */
+        for (int64_t b = 0; b < k / 32; b++) {
+            const uint8_t *blk = row + b * block_bytes;
+            qv_store(q + 32 * b, block32_q(type, blk));
+            scale[b * SB_LANES] = rd_h(blk);
+            if (type == 3 || type == 7) offset[b * SB_LANES] = rd_h(blk + 2);
+        }
+    }
+}
+
+/* Per-thread buffers for one group of SB_LANES weight rows. */
+typedef struct {
+    int16_t *codes;  /* [SB_LANES][k]: the rows as decoded */
+    int32_t *panel;  /* [k / 2][SB_LANES]: lane = weight row, word = two consecutive values */
+    float *scale, *offset; /* [groups][SB_LANES] */
+    float *tile;     /* [SB_ROWS][SB_LANES]: results before they go to y */
+} SbScratch;
+
+/* Weight rows r0 .. r0 + rows (rows <= SB_LANES; the other lanes zero) into s's panel. */
+FORCE_INLINE void sb_panel_of(int type, int block_bytes, const uint8_t *w, int64_t row_bytes, int64_t r0,
+                              int64_t rows, int64_t k, int group, const SbScratch *s) {
+    for (int64_t i = 0; i < SB_LANES; i++) {
+        if (i < rows) {
+            sb_decode_row(type, block_bytes, w + (r0 + i) * row_bytes, k, s->codes + i * k, s->scale + i, s->offset + i);
+            continue;
+        }
+        memset(s->codes + i * k, 0, sizeof(int16_t) * (size_t)k);
+        for (int64_t g = 0; g < k / group; g++) s->scale[g * SB_LANES + i] = s->offset[g * SB_LANES + i] = 0.0f;
+    }
+    transpose_rows((const float *)s->codes, k / 2, 0, SB_LANES, k / 2, (float *)s->panel, SB_LANES); /* bits moved only */
+}
+
+static void sb_panel(int type, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t rows, int64_t k,
+                     const SbScratch *s) {
+    switch (type) {
+#define SB_PANEL(T, BB, G) case T: sb_panel_of(T, BB, w, row_bytes, r0, rows, k, G, s); break;
+    SB_PANEL(2, 18, 32) SB_PANEL(3, 20, 32) SB_PANEL(6, 22, 32) SB_PANEL(7, 24, 32) SB_PANEL(8, 34, 32)
+    SB_PANEL(20, 18, 32) SB_PANEL(12, 144, 32) SB_PANEL(13, 176, 32) SB_PANEL(14, 210, 16)
+#undef SB_PANEL
+    }
+}
+
+/* s->tile[r] = the panel's SB_LANES weight rows . x[r] for r < rows (a constant per inlined copy). */
+FORCE_INLINE void sb_tile(int group, int has_min, int rows, const SbScratch *s, int64_t k, const SbRow *x) {
+    sb_f acc[SB_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = sb_zero_f();
+    for (int64_t g = 0; g < k / group; g++) {
+        sb_i dot[SB_ROWS];
+        for (int r = 0; r < rows; r++) dot[r] = sb_zero_i();
+        const int32_t *wp = s->panel + g * (group / 2) * SB_LANES;
+        for (int j = 0; j < group / 2; j++) {
+            const sb_i wv = sb_load_i(wp + j * SB_LANES);
+            for (int r = 0; r < rows; r++) dot[r] = sb_dot(dot[r], wv, x[r].q[g * (group / 2) + j]);
+        }
+        const sb_f scale = sb_load_f(s->scale + g * SB_LANES);
+        for (int r = 0; r < rows; r++) acc[r] = sb_scaled(dot[r], scale, x[r].rel[g * group / 32], acc[r]);
+        if (has_min) {
+            const sb_f offset = sb_load_f(s->offset + g * SB_LANES);
+            for (int r = 0; r < rows; r++) acc[r] = sb_fma1(offset, x[r].sum[g], acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) sb_store(s->tile + r * SB_LANES, acc[r], x[r].unit_f);
+}
+
+FORCE_INLINE void sb_tiles_of(int group, int has_min, int rows, const SbScratch *s, int64_t k, const SbRow *x) {
+    switch (rows) {
+#define SB_TILE(R) case R: sb_tile(group, has_min, R, s, k, x); break;
+    SB_TILE(1) SB_TILE(2) SB_TILE(3) SB_TILE(4)
+#if SB_ROWS > 4
+    SB_TILE(5) SB_TILE(6) SB_TILE(7) SB_TILE(8)
+#endif
+#undef SB_TILE
+    }
+}
+
+/* y = x W^T for 2 to 32 activation rows through the panels above; 0 when a buffer is unavailable. */
+static int small_batch_matmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const float *x,
+                              int64_t m_rows, float *y, int64_t ldy, int threads) {
+    const int group = type == 14 ? 16 : 32, has_min = type == 3 || type == 7 || type == 12 || type == 13;
+    const int64_t nb = k / 32, ng = k / group;
+    const size_t x_bytes = (size_t)(2 * k + 12 * nb), pad = 64;
+    uint8_t *xs = aligned_alloc(64, (x_bytes * (size_t)m_rows + pad) / 64 * 64);
+    if (!xs) return 0;
+    SbRow rows[32];
+    for (int64_t m = 0; m < m_rows; m++) {
+        uint8_t *base = xs + x_bytes * (size_t)m;
+        int16_t *q = (int16_t *)base;
+        float *rel = (float *)(base + 2 * k), *sum = rel + nb;
+        sb_quantize(x + m * k, k, q, rel, sum, (int *)(sum + nb), &rows[m]);
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const size_t codes = sizeof(int16_t) * SB_LANES * (size_t)k, per_group = sizeof(float) * SB_LANES * (size_t)ng;
+        uint8_t *buf = aligned_alloc(64, 2 * codes + 2 * per_group + sizeof(float) * SB_ROWS * SB_LANES);
+        SbScratch s;
+        if (buf) {
+            s.codes = (int16_t *)buf;
+            s.panel = (int32_t *)(buf + codes);
+            s.scale = (float *)(buf + 2 * codes);
+            s.offset = s.scale + SB_LANES * ng;
+            s.tile = s.offset + SB_LANES * ng;
+        } else {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r0 = 0; r0 < n; r0 += SB_LANES) {
+            if (!buf) continue;
+            const int64_t lanes = n - r0 < SB_LANES ? n - r0 : SB_LANES;
+            sb_panel(type, w, row_bytes, r0, lanes, k, &s);
+            for (int64_t m0 = 0; m0 < m_rows; m0 += SB_ROWS) {
+                const int rows_here = (int)(m_rows - m0 < SB_ROWS ? m_rows - m0 : SB_ROWS);
+                if (group == 16)
+                    sb_tiles_of(16, 0, rows_here, &s, k, rows + m0);
+                else if (has_min)
+                    sb_tiles_of(32, 1, rows_here, &s, k, rows + m0);
+                else
+                    sb_tiles_of(32, 0, rows_here, &s, k, rows + m0);
+                for (int r = 0; r < rows_here; r++) {
+                    float *out = y + (m0 + r) * ldy + r0;
+                    const float *t = s.tile + r * SB_LANES;
+                    if (rows[m0 + r].unit_f)
+                        memcpy(out, t, sizeof(float) * (size_t)lanes);
+                    else
+                        for (int64_t i = 0; i < lanes; i++) out[i] = (float)((double)t[i] * rows[m0 + r].unit);
+                }
+            }
+        }
+        free(buf);
+    }
+    free(xs);
+    return !failed;
+}
+#endif
+
+/* y = x W^T (W packed [n, k], y row stride ldy) for 2 to 32 activation rows through the small-batch kernel
+ * above; 0 where it has no path for the type (or no AVX2 build) or memory ran out: the caller then takes
+ * another kernel. */
+int vq_matmul_small(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const float *x,
+                    int64_t m_rows, float *y, int64_t ldy, int threads) {
+#ifdef HAVE_ROW_DOT
+    if (has_row_dot(type) && m_rows <= 32) return small_batch_matmul(type, w, row_bytes, n, k, x, m_rows, y, ldy, threads);
+#endif
+    (void)type, (void)w, (void)row_bytes, (void)n, (void)k, (void)x, (void)m_rows, (void)y, (void)ldy, (void)threads;
+    return 0;
+}
+
 /* Whether this build has the tiled kernel (AVX-512): asked once, not on every call. */
 int vq_matmul_tiled_built(void) {
 #if defined(HAVE_ROW_DOT) && defined(__AVX512F__)
@@ -1286,7 +1641,7 @@ void vq_matmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t
                float *y, int64_t ldy, int threads) {
     const Format *f = find(type);
 #ifdef HAVE_ROW_DOT
-    if (has_row_dot(type) && m_rows <= 64 &&
+    if ((has_row_dot(type) || type == 39) && m_rows <= 64 && /* MXFP4: row dots, no small-batch panels */
         fixed_matmul(type, w, row_bytes, n, k, x, m_rows, y, ldy, threads))
         return;
 #endif

@@ -1,4 +1,5 @@
-/* Small per-token layer ops (RMSNorm, rotary, gated activation) and the sampler's row max in one call each.
+/* Small per-token layer ops (RMSNorm, rotary with an optional q/k norm, a sandwich layer's norm + residual add
+ * + next norm, gated activation) and the sampler's row max in one call each.
  *
  * At batch-1 decode these tensors are a few hundred floats: torch spends 10-15 us of dispatch on
  * the seven ops of an RMSNorm and the six of a rotary, ~100 times per token, against well under a
@@ -8,23 +9,37 @@
 #include <math.h>
 #include <stdint.h>
 
-/* y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w: `w` already holds Gemma's (1 + weight). The sum of
+/* y = x / sqrt(mean(x^2) + eps) * w for one row: `w` already holds Gemma's (1 + weight). The sum of
  * squares is accumulated in double so the result does not depend on the summation order (torch's
  * vectorized float reduction and this loop then agree to the last bit in nearly every row). */
+static inline void norm_row(const float *x, const float *w, float *y, int64_t dim, float eps) {
+    double lanes[8] = {0};  /* independent chains: the loop vectorizes instead of waiting on one sum */
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8)
+        for (int j = 0; j < 8; j++) lanes[j] += (double)x[i + j] * (double)x[i + j];
+    double sum = 0.0;
+    for (; i < dim; i++) sum += (double)x[i] * (double)x[i];
+    for (int j = 0; j < 8; j++) sum += lanes[j];
+    const float inv = 1.0f / sqrtf((float)(sum / (double)dim) + eps);
+    for (i = 0; i < dim; i++) y[i] = (x[i] * inv) * w[i];
+}
+
 void vq_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t dim, float eps, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim > 65536)
+    for (int64_t r = 0; r < rows; r++) norm_row(x + r * dim, w, y + r * dim, dim, eps);
+}
+
+/* A sandwich layer's residual step in one pass: x_out = x + norm(branch) * w_branch, then (w_next not
+ * NULL) y = norm(x_out) * w_next, the next branch's input. The same float operations as the norm kernel
+ * and torch's add, so the results are bit-identical to those three calls. */
+void vq_add_rms_norm(const float *x, const float *branch, const float *w_branch, const float *w_next, float *x_out,
+                     float *y, int64_t rows, int64_t dim, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim > 65536)
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * dim;
-        float *yr = y + r * dim;
-        double lanes[8] = {0};  /* independent chains: the loop vectorizes instead of waiting on one sum */
-        int64_t i = 0;
-        for (; i + 8 <= dim; i += 8)
-            for (int j = 0; j < 8; j++) lanes[j] += (double)xr[i + j] * (double)xr[i + j];
-        double sum = 0.0;
-        for (; i < dim; i++) sum += (double)xr[i] * (double)xr[i];
-        for (int j = 0; j < 8; j++) sum += lanes[j];
-        const float inv = 1.0f / sqrtf((float)(sum / (double)dim) + eps);
-        for (i = 0; i < dim; i++) yr[i] = (xr[i] * inv) * w[i];
+        float *xo = x_out + r * dim;
+        norm_row(branch + r * dim, w_branch, xo, dim, eps);
+        for (int64_t i = 0; i < dim; i++) xo[i] = x[r * dim + i] + xo[i];
+        if (w_next) norm_row(xo, w_next, y + r * dim, dim, eps);
     }
 }
 
@@ -32,9 +47,12 @@ void vq_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t
  * cos/sin [tokens, rot] (already in the layout they apply to: halves repeated for rotate-half, pairs
  * repeated for interleaved), the rest copied. Rotate-half pairs dim i with i + rot/2, interleaved 2i
  * with 2i + 1. x may be a view with a row stride (q or k inside the fused qkv output). The products
- * and sums are torch's (x * cos + rotated * sin), so the result is bit-identical to the torch path. */
-void vq_rope(const float *x, int64_t x_token_stride, const float *cos, const float *sin, float *out,
-             int64_t tokens, int64_t heads, int64_t dim, int64_t rot, int interleaved, int threads) {
+ * and sums are torch's (x * cos + rotated * sin), so the result is bit-identical to the torch path.
+ * norm_w not NULL: each head is first normalized as vq_rms_norm does with weight norm_w [dim] (q/k norm,
+ * fused: at decode one call instead of two per tensor). */
+void vq_rope(const float *x, int64_t x_token_stride, const float *norm_w, float eps, const float *cos,
+             const float *sin, float *out, int64_t tokens, int64_t heads, int64_t dim, int64_t rot, int interleaved,
+             int threads) {
     const int64_t half = rot / 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens * heads * dim > 65536)
     for (int64_t t = 0; t < tokens; t++) {
@@ -42,6 +60,11 @@ void vq_rope(const float *x, int64_t x_token_stride, const float *cos, const flo
         for (int64_t h = 0; h < heads; h++) {
             const float *v = x + t * x_token_stride + h * dim;
             float *o = out + (t * heads + h) * dim;
+            float normed[norm_w ? dim : 1];  /* the normalized head, when norm_w is given */
+            if (norm_w) {
+                norm_row(v, norm_w, normed, dim, eps);
+                v = normed;
+            }
             if (interleaved) {
                 for (int64_t i = 0; i < rot; i += 2) {
                     o[i] = v[i] * c[i] + (-v[i + 1]) * s[i];

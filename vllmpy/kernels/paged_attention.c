@@ -59,12 +59,25 @@ typedef struct {
     int64_t block_size, heads, kv_heads, dim, group;
     float scale, soft_cap;   /* soft_cap 0: none */
     int64_t window;          /* 0: full attention */
+    const float *sinks;      /* [heads] logit in each query head's softmax denominator (gpt-oss); NULL: none */
+    int64_t chunk;           /* > 0: keys of the token's own chunk of `chunk` positions only (Llama 4) */
     float *out;              /* output of decode row b: out + tokens[b] * out_stride, [heads, dim] */
     int64_t out_stride;
 } Job;
 
-/* First visible position of a row: keys p with p > seq_len - 1 - window (all when window is 0). */
-static inline int64_t first_visible(const Job *j, int64_t n) { return j->window > 0 && n > j->window ? n - j->window : 0; }
+/* First visible position of a row: keys p with p > seq_len - 1 - window (all when window is 0), and
+ * from the start of the token's chunk when chunk > 0. */
+static inline int64_t first_visible(const Job *j, int64_t n) {
+    int64_t lo = j->window > 0 && n > j->window ? n - j->window : 0;
+    if (j->chunk > 0 && (n - 1) / j->chunk * j->chunk > lo) lo = (n - 1) / j->chunk * j->chunk;
+    return lo;
+}
+
+/* 1 / softmax denominator of query head hq, given the running max m and sum l of exp(score - m):
+ * with sinks the head's sink logit joins the sum (and takes no value). */
+static inline float inv_denominator(const Job *j, int64_t hq, float m, float l) {
+    return 1.0f / (j->sinks ? l + expf(j->sinks[hq] - m) : l);
+}
 
 /* Element offsets of positions [t, t + n) of decode row b, KV head h, in the cache: one division per
  * tile, then the block table is walked (a row's blocks are anywhere in the cache). K and V share them. */
@@ -276,7 +289,7 @@ static void merge(const Job *j, int64_t pair, int64_t splits, const float *acc, 
             sum += c * l[at];
             axpy(out + g * d, c, acc + at * d, d);
         }
-        const float inv = 1.0f / sum;
+        const float inv = inv_denominator(j, h * g_n + g, top, sum);
         for (int64_t i = 0; i < d; i++) out[g * d + i] *= inv;
     }
 }
@@ -289,7 +302,7 @@ static int64_t choose_splits(int64_t pairs, int64_t longest, int threads, int pa
     return splits < most ? splits : (most > 1 ? most : 1);
 }
 
-/* out[tokens[b], h] = softmax(scale * q[tokens[b], h] . K_b^T) V_b for each decode row b and query
+/* out[tokens[b], h] = softmax(scale * q[tokens[b], h] . K_b^T [, sinks[h]]) V_b for each decode row b and query
  * head h, where K_b/V_b are KV head h / (heads / kv_heads) at the row's visible positions, read
  * through its block table. cache_dtype: 0 float32, 1 bfloat16, 2 float16, 3 fp8 e4m3, 4 fp8 e5m2 (times
  * k_scale / v_scale), 5 int8 (times k_scales / v_scales: fp16, one per group = gcd(dim, 32) values); q and
@@ -299,7 +312,8 @@ int vq_paged_decode(const float *q, int64_t q_stride, const int64_t *tokens, con
                     int cache_dtype, float k_scale, float v_scale, const void *k_scales, const void *v_scales,
                     const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
                     int64_t rows, int64_t block_size, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                    float soft_cap, int64_t window, float *out, int64_t out_stride, int threads) {
+                    float soft_cap, int64_t window, const float *sinks, int64_t chunk, float *out,
+                    int64_t out_stride, int threads) {
     static const int64_t elem_bytes[] = {4, 2, 2, 1, 1, 1};
     if (cache_dtype < CACHE_F32 || cache_dtype > CACHE_INT8) return -1;
     if (cache_dtype == CACHE_INT8 && (!k_scales || !v_scales)) return -1;
@@ -309,7 +323,7 @@ int vq_paged_decode(const float *q, int64_t q_stride, const int64_t *tokens, con
     const Job j = {q, q_stride, tokens, (const char *)k_cache, (const char *)v_cache, cache_dtype,
                    elem_bytes[cache_dtype], k_scale * widen, v_scale * widen, (const uint16_t *)k_scales,
                    (const uint16_t *)v_scales, q_group, block_tables, bt_stride, seq_lens, block_size, heads, kv_heads,
-                   dim, heads / kv_heads, scale, soft_cap, window, out, out_stride};
+                   dim, heads / kv_heads, scale, soft_cap, window, sinks, chunk, out, out_stride};
     int64_t longest = 0, keys = 0;
     for (int64_t b = 0; b < rows; b++) {
         const int64_t n = seq_lens[b] - first_visible(&j, seq_lens[b]);
@@ -337,7 +351,7 @@ int vq_paged_decode(const float *q, int64_t q_stride, const int64_t *tokens, con
             float m[g_n], l[g_n], *o = out + tokens[b] * out_stride + h * g_n * dim; /* accumulate in place */
             attend_range(&j, b, h, p0, p1, o, m, l);
             for (int64_t g = 0; g < g_n; g++) {
-                const float inv = 1.0f / l[g];
+                const float inv = inv_denominator(&j, h * g_n + g, m[g], l[g]);
                 for (int64_t i = 0; i < dim; i++) o[g * dim + i] *= inv;
             }
         }

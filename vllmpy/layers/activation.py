@@ -14,6 +14,11 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's sigmoid approximation of GELU."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
@@ -21,6 +26,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": _gelu_tanh,
     "gelu_new": _gelu_tanh,
     "relu": F.relu,
+    "quick_gelu": _quick_gelu,
 }
 
 

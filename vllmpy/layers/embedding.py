@@ -12,7 +12,9 @@ class VocabEmbedding(nn.Embedding):
     """nn.Embedding that can hold its table packed; a tied LM head then computes on the same blocks."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__(num_embeddings, embedding_dim)
+        # An empty table (the checkpoint fills it): random init would cost ~1 s on the meta device, where
+        # torch's first normal_ loads its Python decompositions.
+        super().__init__(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
         self.weight.requires_grad_(False)
         self.packed: PackedTensor | None = None
 

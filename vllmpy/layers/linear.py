@@ -10,6 +10,7 @@ from vllmpy.layers.dense import dense_linear
 from vllmpy.layers.quantized import PackedTensor, packed_linear
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, "int | str | None"], None]
+LinearDelta = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
@@ -31,11 +32,16 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: PackedTensor | None = None
+        self.in_features, self.out_features = in_features, out_features
+        # (x, y) -> y plus this step's LoRA deltas, set on every adaptable layer when --enable-lora (vllmpy/lora)
+        self.lora: LinearDelta | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return dense_linear(x, self.weight, self.bias)
+            y = packed_linear(x, self.packed, self.bias)
+        else:
+            y = dense_linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
     def load_packed(self, weight: PackedTensor, shard_id: int | str | None = None) -> None:
         if weight.shape != tuple(self.weight.shape):
@@ -98,7 +104,8 @@ class MergedLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.segments) > 1:
-            return packed_linear(x, self.segments, self.bias)
+            y = packed_linear(x, self.segments, self.bias)
+            return y if self.lora is None else self.lora(x, y)
         return super().forward(x)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None) -> None:

@@ -1,13 +1,16 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen-MoE, OLMoE, Granite-MoE, ERNIE-4.5, gpt-oss, Llama 4, ...).
 
-A softmax router picks each token's top-k experts. The experts' weights are stacked ([E, 2I, H]
-gate_up, [E, H, I] down), so the (token, expert) assignments are sorted by expert and each active
-expert runs one matmul over all of its tokens: the Python loop is over experts, never tokens.
+A router picks each token's top-k experts. The experts' weights are stacked ([E, 2I, H] gate_up,
+[E, H, I] down), so the (token, expert) assignments are sorted by expert; then each projection is
+either one grouped matmul over all of them (`torch._grouped_mm`, segment offsets on the device: no
+host sync; CUDA, and CPU batches of a few rows per expert) or one matmul per active expert over all
+of its rows (larger CPU batches, and packed GGML / quantized stacks, which stay packed): never a loop
+per token.
 """
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -19,6 +22,14 @@ from vllmpy.layers.linear import Linear, default_weight_loader, release
 from vllmpy.layers.quantized import PackedTensor, packed_linear
 
 ExpertShard = tuple[int, int | str]  # (expert, part of a fused projection)
+Glu = Callable[[torch.Tensor], torch.Tensor]  # [N, 2I] gate and up halves -> [N, I]
+# torch's grouped matmul serves these dtypes on CPU (and bf16 on recent CUDA); float32 rows equal F.linear's.
+_GROUPED_MM = hasattr(torch, "_grouped_mm")
+_GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+# On CPU, above this many assignments per expert the per-expert oneDNN matmuls beat torch's grouped
+# kernel (64 experts top-6, hidden 512, one thread on the shared 2-core dev host: grouped 1.9x faster at
+# 16 tokens, 0.7x at 512; benchmarks/moe_layer.py). CUDA always groups (no host sync, one launch).
+_CPU_GROUPED_ROWS_PER_EXPERT = 2
 
 
 class ExpertLinear(nn.Module):
@@ -30,10 +41,13 @@ class ExpertLinear(nn.Module):
     safetensors) stay packed: `load_packed` collects them and `finish_loading` fuses each expert's parts.
     """
 
-    def __init__(self, num_experts: int, in_features: int, part_sizes: dict[int | str, int]) -> None:
+    def __init__(self, num_experts: int, in_features: int, part_sizes: dict[int | str, int],
+                 bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, sum(part_sizes.values()), in_features),
                                    requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(num_experts, sum(part_sizes.values())), requires_grad=False)
+                     if bias else None)  # gpt-oss: one bias row per expert, loaded whole
         self.shard_offsets: dict[ExpertShard, tuple[int, int]] = {}
         offset = 0
         for part, size in part_sizes.items():
@@ -73,10 +87,22 @@ class ExpertLinear(nn.Module):
         self.packed_parts = {}
 
     def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """x @ W_expert^T."""
+        """x @ W_expert^T (+ b_expert)."""
+        bias = None if self.bias is None else self.bias[expert]
         if self.packed is not None:
-            return packed_linear(x, self.packed[expert])
-        return dense_linear(x, self.weight[expert])
+            return packed_linear(x, self.packed[expert], bias)
+        return dense_linear(x, self.weight[expert], bias)
+
+    def groups_in_one_call(self, x: torch.Tensor) -> bool:
+        """Whether grouped_matmul serves x: a dense stack of x's dtype on a device torch groups on."""
+        return (_GROUPED_MM and self.packed is None and self.weight.dtype == x.dtype
+                and x.dtype in _GROUPED_DTYPES.get(x.device.type, ()))
+
+    def grouped_matmul(self, x: torch.Tensor, ends: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Rows of x sorted by expert, expert e's rows ending at ends[e] (int32): row @ W_e^T (+ b_e).
+        experts: each row's expert (for the bias)."""
+        y = torch._grouped_mm(x, self.weight.transpose(1, 2), offs=ends)
+        return y if self.bias is None else y + self.bias[experts]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShard | None) -> None:
         if shard_id is None:
@@ -93,34 +119,60 @@ class ExpertLinear(nn.Module):
 
 
 class Experts(nn.Module):
-    """E gated MLPs: down(act(gate(x)) * up(x)), with stacked weights."""
+    """E gated MLPs: down(glu(gate_up(x))), glu = act(gate) * up unless a family gives its own (gpt-oss's
+    clamped SwiGLU); bias=True gives each projection a bias per expert (gpt-oss). weights_on_inputs:
+    each expert gets its routing weight times x instead of its output scaled (Llama 4)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str, bias: bool = False,
+                 glu: Glu | None = None, weights_on_inputs: bool = False) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.gate_up_proj = ExpertLinear(num_experts, hidden, {0: intermediate, 1: intermediate})
-        self.down_proj = ExpertLinear(num_experts, intermediate, {0: hidden})
+        self.weights_on_inputs = weights_on_inputs
+        self.gate_up_proj = ExpertLinear(num_experts, hidden, {0: intermediate, 1: intermediate}, bias)
+        self.down_proj = ExpertLinear(num_experts, intermediate, {0: hidden}, bias)
         self.act = get_activation(act)
+        self.glu = glu or (lambda h: gated(self.act, h))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; weights, ids [T, k]: out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
+        """x [T, H]; weights, ids [T, k]: out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])
+        (or expert_{ids[t, j]}(weights[t, j] * x[t]) with weights_on_inputs)."""
         top_k = ids.shape[1]
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # assignments grouped by expert
         rows = order // top_k  # the token of each assignment
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts)
         xs = x[rows]
+        scale = weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
+        if self.weights_on_inputs:
+            xs = xs * scale
+        if self._grouped(xs):
+            ends, experts = counts.cumsum(0).to(torch.int32), flat[order]
+            h = self.glu(self.gate_up_proj.grouped_matmul(xs, ends, experts))
+            out = self.down_proj.grouped_matmul(h, ends, experts)
+        else:
+            out = self._per_expert(xs, counts.tolist())
+        if not self.weights_on_inputs:
+            out *= scale
+        return torch.zeros_like(x).index_add_(0, rows, out)
+
+    def _grouped(self, xs: torch.Tensor) -> bool:
+        """One grouped matmul per projection, or the per-expert loop (see _CPU_GROUPED_ROWS_PER_EXPERT)."""
+        if not (self.gate_up_proj.groups_in_one_call(xs) and self.down_proj.groups_in_one_call(xs)):
+            return False
+        return xs.device.type != "cpu" or xs.shape[0] <= _CPU_GROUPED_ROWS_PER_EXPERT * self.num_experts
+
+    def _per_expert(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One matmul per active expert over its (contiguous) rows: packed stacks, or no grouped matmul."""
         out = torch.empty_like(xs)
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
             end = start + count
-            h = gated(self.act, self.gate_up_proj.matmul(expert, xs[start:end]))
+            h = self.glu(self.gate_up_proj.matmul(expert, xs[start:end]))
             out[start:end] = self.down_proj.matmul(expert, h)
             start = end
-        out *= weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, rows, out)
+        return out
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,34 +184,52 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
-class SparseMoE(nn.Module):
-    """Routed experts, plus an always-on shared expert scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE)."""
+class SoftmaxRouter(Linear):
+    """The gate `weight` [E, hidden] (bias: gpt-oss): softmax, top-k, optionally renormalized (`route`)."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, act: str,
-                 renormalize: bool, shared_expert: nn.Module | None = None) -> None:
-        super().__init__()
+    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool, bias: bool = False) -> None:
+        super().__init__(hidden, num_experts, bias=bias)
         if not 0 < top_k <= num_experts:
             raise UnsupportedCheckpointError(
                 f"config num_experts_per_tok={top_k} must be between 1 and the expert count {num_experts}")
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = Linear(hidden, num_experts)
-        self.experts = Experts(num_experts, hidden, intermediate, act)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(self(x), self.top_k, self.renormalize)
+
+
+class SparseMoE(nn.Module):
+    """Routed experts plus an optional always-on shared expert: scaled by sigmoid(shared_expert_gate(x))
+    (Qwen2-MoE) or added as it is (gated_shared=False: ERNIE-4.5, Llama 4).
+
+    router: a module with `route(x) -> (weights, ids)` kept as `gate` (default: SoftmaxRouter);
+    experts: an `Experts` of the family's own kind (default: plain gated experts).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, act: str,
+                 renormalize: bool, shared_expert: nn.Module | None = None, gated_shared: bool = True,
+                 router: nn.Module | None = None, experts: Experts | None = None) -> None:
+        super().__init__()
+        self.gate = router or SoftmaxRouter(hidden, num_experts, top_k, renormalize)
+        self.experts = experts or Experts(num_experts, hidden, intermediate, act)
         self.shared_expert = shared_expert
-        self.shared_expert_gate = Linear(hidden, 1) if shared_expert is not None else None
+        self.shared_expert_gate = Linear(hidden, 1) if shared_expert is not None and gated_shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, weights, ids)
-        if self.shared_expert is not None:
+        out = self.experts(x, *self.gate.route(x))
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return out
 
 
 # transformers' fused expert tensors have no `.weight` suffix (`mlp.experts.gate_up_proj`).
 FUSED_EXPERT_RENAMES = ((r"\.experts\.(gate_up_proj|down_proj)$", r".experts.\1.weight"),)
-_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
-_STACKED = re.compile(r"\.experts\.(gate_proj|up_proj|down_proj)\.weight$")
+# Per-expert and stacked weights, and their biases (gpt-oss's GGUF [E, out] bias stacks).
+_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.(weight|bias)$")
+_STACKED = re.compile(r"\.experts\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 
 
 def expert_param(name: str, shard: int | str | None) -> tuple[str, ExpertShard | int | str | None]:
@@ -167,18 +237,48 @@ def expert_param(name: str, shard: int | str | None) -> tuple[str, ExpertShard |
     match = _PER_EXPERT.search(name)
     if match is None:
         return name, shard
-    return f"{name[:match.start()]}.experts.{match[2]}.weight", (int(match[1]), 0 if shard is None else shard)
+    return f"{name[:match.start()]}.experts.{match[2]}.{match[3]}", (int(match[1]), 0 if shard is None else shard)
+
+
+def is_expert_stack(name: str) -> bool:
+    """llama.cpp's one [E, out, in] tensor per projection of every expert (`experts.gate_proj.weight`),
+    or its [E, out] bias (gpt-oss)."""
+    return _STACKED.search(name) is not None
+
+
+def expert_name(stack_name: str, expert: int) -> str:
+    """The HF per-expert name of one slice of a stack: `experts.gate_proj.weight` -> `experts.3.gate_proj.weight`."""
+    return stack_name.replace(".experts.", f".experts.{expert}.")
 
 
 def unstack_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """llama.cpp stores one projection of every expert as a single [E, out, in] tensor
-    (`experts.gate_proj.weight`); split it into the per-expert tensors HF checkpoints hold."""
+    """Split dense expert stacks into the per-expert tensors HF checkpoints hold (the GGUF reader
+    yields packed stacks already split, each expert a view of the file's blocks)."""
     for name, tensor in weights:
-        if _STACKED.search(name) is None:
+        if not is_expert_stack(name) or not isinstance(tensor, torch.Tensor):
             yield name, tensor
             continue
         for expert, part in enumerate(tensor.unbind(0)):
-            yield name.replace(".experts.", f".experts.{expert}."), part
+            yield expert_name(name, expert), part
+
+
+def _gate_then_up(interleaved: torch.Tensor, dim: int) -> torch.Tensor:
+    """g0 u0 g1 u1 ... along `dim` -> g0 g1 ... u0 u1 ..."""
+    return torch.cat([interleaved.index_select(dim, torch.arange(start, interleaved.shape[dim], 2))
+                      for start in (0, 1)], dim=dim)
+
+
+def in_out_expert_stacks(weights: Iterable[tuple[str, torch.Tensor]],
+                         interleaved: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's and Llama 4's transformers stacks are [E, in, out] (`experts.gate_up_proj`,
+    `experts.down_proj`): transposed to our [E, out, in]. interleaved: the gate and up columns alternate
+    (gpt-oss, its `gate_up_proj_bias` too): gate first, as ours."""
+    for name, tensor in weights:
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            tensor = tensor.transpose(1, 2)
+        if interleaved and name.endswith((".experts.gate_up_proj", ".experts.gate_up_proj_bias")):
+            tensor = _gate_then_up(tensor, dim=1)
+        yield name, tensor
 
 
 class ExpertWeights:

@@ -35,6 +35,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
+    def kernel_scale(self) -> torch.Tensor:
+        """What the C kernels multiply the normalized row by (they take it only in float32); the fused paths
+        (`add_norm`, rotary's q/k norm) read it instead of calling forward, so a subclass that changes the
+        scale overrides this."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _rms_norm_kernel(x, self.weight, self.eps)
         if y is not None:
@@ -53,12 +59,37 @@ class GemmaRMSNorm(RMSNorm):
     def finish_loading(self) -> None:
         self.scale = 1.0 + self.weight.float()
 
+    def kernel_scale(self) -> torch.Tensor:
+        return self.scale if self.scale is not None else 1.0 + self.weight.float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
+        scale = self.kernel_scale()
         y = _rms_norm_kernel(x, scale, self.eps)
         if y is not None:
             return y
         return (_normalized(x, self.eps) * scale).to(x.dtype)
+
+
+def add_norm(x: torch.Tensor, branch: torch.Tensor, branch_norm: nn.Module,
+             next_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x + branch_norm(branch), next_norm of that): a sandwich layer's residual step. One C call for float32
+    RMSNorms on CPU at one eps (at decode it replaces two or three ops of a few hundred floats each, mostly
+    dispatch), bit-identical to the modules; else the modules. next_norm None: the second is None."""
+    lib = layer_kernels()
+    fused = (lib is not None and isinstance(branch_norm, RMSNorm) and x.device.type == "cpu"
+             and x.dtype == branch.dtype == torch.float32 and x.shape == branch.shape
+             and (next_norm is None or isinstance(next_norm, RMSNorm) and next_norm.eps == branch_norm.eps))
+    scales = [norm.kernel_scale() for norm in (branch_norm, next_norm) if fused and norm is not None]
+    if not fused or any(s.dtype != torch.float32 or s.shape != x.shape[-1:] for s in scales):
+        x = x + branch_norm(branch)
+        return x, None if next_norm is None else next_norm(x)
+    x, branch = x.contiguous(), branch.contiguous()
+    x_out, dim = torch.empty_like(x), x.shape[-1]
+    y = torch.empty_like(x) if next_norm is not None else None
+    lib.vq_add_rms_norm(x.data_ptr(), branch.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr() if y is not None
+                        else None, x_out.data_ptr(), y.data_ptr() if y is not None else None, x.numel() // dim, dim,
+                        branch_norm.eps, torch.get_num_threads())
+    return x_out, y
 
 
 class LayerNorm(nn.Module):

@@ -2,8 +2,10 @@
 
 A `PackedTensor` is a 2-D weight as the GGUF file stores it: each row a run of whole blocks. A
 few activation rows (decode) go through the C kernel, which reads every block once for the whole
-batch; a batch of up to 128 rows goes through the C tiled kernel (AVX-512), which decodes each thread's
-weight rows into cache and multiplies them there; more rows (prefill), or CPUs without that kernel, decode
+batch; 4 to 32 rows through the small-batch C kernel, which decodes each thread's weight rows once into
+int16 panels and multiplies them by x rounded to int16 (VNNI dot products); a batch of up to 128 rows goes
+through the C tiled kernel (AVX-512), which decodes each thread's weight rows into cache and multiplies
+them there; more rows (prefill), or CPUs without that kernel, decode
 the weight into a scratch buffer (whole, or slab by slab when it is large) and hand it to the dense matmul
 (`dense_linear`), where the arithmetic dominates.
 """
@@ -22,9 +24,16 @@ from vllmpy.kernels import block_kernels, block_layout
 from vllmpy.layers.dense import dense_linear
 from vllmpy.layers.recycle import result_buffer
 
-# Up to this many activation rows the block kernel wins; above it, decode + dense matmul (default model,
+# Up to this many activation rows the block kernel wins (for the block types the small-batch kernel lacks;
+# the others from SMALL_MIN_ROWS on); above it, decode + dense matmul (default model,
 # 2 AVX-512 cores, median decode step: 39.7 vs 46.9 ms at 9 rows, 42.8 vs 44.1 at 10, 47.8 vs 45.2 at 11).
 KERNEL_MAX_ROWS = 10
+# From this many rows to SMALL_MAX_ROWS the small-batch kernel (int16 panels over weight rows) wins over both
+# (benchmarks/kernels.py, default model's layer-0 weights, 1 thread, medians of 20 interleaved rounds, the
+# other kernel's time over its: Q5_0 1024 x 640 at 2 / 4 / 16 / 32 rows: integer row dots 0.96 / 1.45 / 3.20 /
+# 4.04x, tiled 2.71 / 2.46 / 1.39 / 1.26x; Q6_K 640 x 2048: row dots 0.82 / 1.19 / 2.78 / 3.93x, tiled 2.18 /
+# 2.05 / 1.24 / 1.08x).
+SMALL_MIN_ROWS, SMALL_MAX_ROWS = 4, 32
 # Most values decoded at once (16 MiB of float32): a layer's weight up to this is one matmul whose result is
 # returned as is; a larger one (an LM head) goes in slabs of a power-of-two row count, which oneDNN
 # multiplies ~6% faster than odd counts (64 x 262k x 640 head: 58 vs 62 ms; 4 MiB slabs, copied into
@@ -95,27 +104,32 @@ def packed_linear(x: torch.Tensor, weight: PackedTensor | Sequence[PackedTensor]
     """x @ W^T (+ b) with W packed, result in x's dtype; W may be a run of segments stacked along the
     output (fused q/k/v of different block types), each written into its columns of one result.
 
-    Few rows: float32 in the block kernel. Up to 128 float32 rows: the tiled kernel where built (AVX-512).
+    Few rows: float32 in the block kernel; 4 to 32 rows in the small-batch kernel (x rounded to int16 per
+    32-value block: error <= 2^-14 of the block's largest |x| per value). Up to 128 float32 rows: the tiled
+    kernel where built (AVX-512).
     Else slabs in float32, or in bfloat16 when x is (the user chose --dtype bfloat16: CPUs with
     AVX512-BF16 or AMX multiply it natively, ~4x faster)."""
     segments = (weight,) if isinstance(weight, PackedTensor) else weight
     if any(segment.input_perm is not None for segment in segments):
         return _permuted_linear(x, segments, bias)
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
+    flat = x.dim() == 2  # the engine's [tokens, hidden]: no reshape, view or cast (~10 us a call at decode)
+    x2 = x if flat else x.reshape(-1, x.shape[-1])
     rows, n = x2.shape[0], sum(segment.shape[0] for segment in segments)
-    if rows <= KERNEL_MAX_ROWS:
+    y = None
+    if SMALL_MIN_ROWS <= rows <= SMALL_MAX_ROWS:  # declined (None) for types without its integer panels
+        y = _by_segment(block_kernels().vq_matmul_small, x2.float().contiguous(), segments, torch.empty(rows, n))
+    if y is None and rows <= KERNEL_MAX_ROWS:
         y = _by_segment(block_kernels().vq_matmul, x2.float().contiguous(), segments, torch.empty(rows, n))
-    else:
+    elif y is None:
         x2 = x2.to(torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float32).contiguous()
-        y = None
         if _transposed(x2) and _tiled_kernel_built():  # decoded in cache (~500 vs ~440 GFLOP/s at 64 rows)
             y = _by_segment(block_kernels().vq_matmul_tiled, x2, segments, result_buffer(rows, n, torch.float32))
         if y is None:
             y = _slab_matmul(x2, segments, n)
     if bias is not None:
         y = y + bias.to(y.dtype)
-    return y.to(x.dtype).view(*lead, n)
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
+    return y if flat else y.view(*x.shape[:-1], n)
 
 
 def _permuted_linear(x: torch.Tensor, segments: Sequence[PackedTensor], bias: torch.Tensor | None) -> torch.Tensor:
@@ -170,7 +184,8 @@ def _transposed(x: torch.Tensor) -> bool:
 def _by_segment(kernel: Callable[..., int | None], x: torch.Tensor, segments: Sequence[PackedTensor],
                 y: torch.Tensor) -> torch.Tensor | None:
     """y = x @ W^T by a C kernel called per segment, each writing its columns of the float32 y; None when the
-    kernel declines one (returns 0: the tiled kernel out of memory; vq_matmul returns nothing, never declines)."""
+    kernel declines one (returns 0: the tiled or small-batch kernel out of memory, or the small-batch kernel
+    for a block type without its integer panels; vq_matmul returns nothing, never declines)."""
     threads, column = torch.get_num_threads(), 0
     for segment in segments:
         if kernel(segment.ggml_type, segment.data.data_ptr(), segment.data.shape[1], segment.shape[0], x.shape[1],

@@ -13,6 +13,7 @@ from torch import nn
 
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.kernels import layer_kernels
+from vllmpy.layers.norm import RMSNorm
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -77,17 +78,28 @@ def _llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched `factor` times (1 when not stretched)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def _yarn(dim: int, base: float, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
-    factor = params["factor"]
-    original = params.get("original_max_position_embeddings") or max_position // factor
-    mscale = params.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    original = params.get("original_max_position_embeddings")
+    factor = params.get("factor") or max_position / original  # DeepSeek-V3 may give only the two lengths
+    original = original or max_position // factor
+    mscale = params.get("attention_factor")
+    if mscale is None:  # DeepSeek's mscale / mscale_all_dim: the rest of the temperature goes into the softmax scale
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        mscale = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
     beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):  # gpt-oss keeps the fractional range
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
@@ -156,15 +168,19 @@ class RotaryEmbedding(nn.Module):
                       self.interleaved)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                 norm: RMSNorm | None = None) -> torch.Tensor:
     """x: [T, heads, dim]; rotates the first cos.shape[-1] dims (partial rotary keeps the rest).
 
-    Rotate-half pairs dim i with i + rot/2; interleaved pairs 2i with 2i + 1.
+    Rotate-half pairs dim i with i + rot/2; interleaved pairs 2i with 2i + 1. norm: a per-head q/k norm
+    applied first, in the same kernel pass where it takes both (bit-identical to norm, then rotary).
     """
     rot = cos.shape[-1]
-    out = _rope_kernel(x, cos, sin, interleaved)
+    out = _rope_kernel(x, cos, sin, interleaved, norm)
     if out is not None:
         return out
+    if norm is not None:
+        return apply_rotary(norm(x), cos, sin, interleaved)
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     if interleaved:
         rotated = torch.stack((-x_rot[..., 1::2], x_rot[..., 0::2]), dim=-1).flatten(-2)
@@ -175,16 +191,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out
 
 
-def _rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
+def _rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+                 norm: RMSNorm | None) -> torch.Tensor | None:
     """The C kernel's rotation (bit-identical to the torch path, one call instead of six ops) for float32
-    CPU tensors whose heads are contiguous within a token (q/k views of the fused qkv output are), else None."""
+    CPU tensors whose heads are contiguous within a token (q/k views of the fused qkv output are), with the
+    q/k norm first when it is an RMSNorm of one float32 [head_dim] scale; else None."""
     lib = layer_kernels()
     if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or cos.dtype != torch.float32
             or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]):
         return None
+    scale = None
+    if norm is not None:
+        scale = norm.kernel_scale() if isinstance(norm, RMSNorm) else None
+        if scale is None or scale.dtype != torch.float32 or scale.shape != x.shape[-1:]:
+            return None
     cos, sin = cos.contiguous(), sin.contiguous()
     tokens, heads, dim = x.shape
     out = torch.empty(tokens, heads, dim)
-    lib.vq_rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, dim,
-                cos.shape[-1], int(interleaved), torch.get_num_threads())
+    lib.vq_rope(x.data_ptr(), x.stride(0), None if scale is None else scale.data_ptr(),
+                norm.eps if norm is not None else 0.0, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads,
+                dim, cos.shape[-1], int(interleaved), torch.get_num_threads())
     return out

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -22,6 +22,9 @@ from vllmpy.loader.hub import looks_like_repo_id, resolve_repo
 from vllmpy.models.base import CausalLM
 from vllmpy.models.registry import resolve_model_class
 from vllmpy.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from vllmpy.distributed.parallel_state import TPGroup
 
 logger = logging.getLogger("vllmpy")
 
@@ -67,10 +70,15 @@ def resolve_model_path(config: ModelConfig) -> str:
 def open_checkpoint(config: ModelConfig) -> Checkpoint:
     path = resolve_model_path(config)
     if path.endswith(".gguf") and os.path.isfile(path):
-        return _open_gguf(path)
-    if os.path.isdir(path):
-        return _open_hf_dir(path, config.tokenizer)
-    raise UnsupportedCheckpointError(f"--model {path!r}: expected a Hugging Face directory or a .gguf file")
+        checkpoint = _open_gguf(path)
+    elif os.path.isdir(path):
+        checkpoint = _open_hf_dir(path, config.tokenizer)
+    else:
+        raise UnsupportedCheckpointError(f"--model {path!r}: expected a Hugging Face directory or a .gguf file")
+    # Building a 262k-token tokenizer leaves ~270 MB of freed parse heap; give it back before the
+    # weights load, or it adds to their peak.
+    return_freed_heap()
+    return checkpoint
 
 
 def _read_json(path: str) -> dict:
@@ -87,6 +95,8 @@ def _open_hf_dir(path: str, tokenizer_path: str | None) -> Checkpoint:
     config = _read_json(os.path.join(path, "config.json"))
     if not config:
         raise UnsupportedCheckpointError(f"{path}: no config.json")
+    if isinstance(config.get("text_config"), dict):  # vision-language: the engine reads the LM's sizes at the top
+        config = {**config["text_config"], **config}
     quant = parse_quantization_config(config["quantization_config"] or {}) if "quantization_config" in config else None
     resolve_model_class(config)  # refuse an unknown architecture before touching weights
     generation = _read_json(os.path.join(path, "generation_config.json"))
@@ -122,23 +132,30 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: fp32 on CPU (bf16 matmul is ~70x slower there), bf16 on accelerators."""
+    """`auto`: bf16 on accelerators, fp32 on the CPU. Why fp32 even where the CPU computes bf16 natively:
+    on the default model (Gemma 3 270M Q4_K_M, packed) A/B interleaved on an Intel Xeon with AVX512-BF16 and
+    AMX-BF16 (2 shared cores, 2026-12-01; README "what auto picks"), bf16 was ~2x faster on 256-token prefill
+    but 5-12% slower on batch-1 and batch-16 decode, where generation spends its time; dense weights go
+    through torch's bf16 GEMMs, ~2x slower than fp32 on the tiny gate models there."""
     if name != "auto":
         return _DTYPES[name]
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, task: str = "auto",
-                max_model_len: int | None = None) -> CausalLM:
+                max_model_len: int | None = None, tp_group: TPGroup | None = None) -> CausalLM:
     """Construct on the meta device (no memory), materialize empty, then copy weights in place.
 
     On the CPU, GGUF blocks (and quantized safetensors weights, repacked into blocks) stay packed when the
     block kernels are available (VLLMPY_GGUF_KEEP_QUANT=0 opts out); elsewhere they are dequantized to
-    `dtype` as they load.
+    `dtype` as they load. tp_group: this rank keeps only its tensor-parallel shard of every weight.
     """
     model_cls = resolve_model_class(ckpt.config, task)
     with torch.device("meta"):
         model = model_cls(ckpt.config)
+    if tp_group is not None:
+        from vllmpy.layers.parallel import shard_model
+        shard_model(model, tp_group)
     if max_model_len is not None:
         model.set_max_model_len(max_model_len)
     model = model.to_empty(device=device).to(dtype)

@@ -13,6 +13,7 @@ from vllmpy.engine.kv_cache_spec import KVCacheSpec
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.layers.linear import default_weight_loader
 from vllmpy.layers.quantized import PackedTensor
+from vllmpy.layers.recurrent_state import RecurrentStateSpec
 from vllmpy.layers.rotary import RotaryEmbedding
 
 # Checkpoint tensors that are derived buffers, never weights.
@@ -60,9 +61,17 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
-        """What each layer keeps per request, as its attention module declares it, in forward order."""
-        return [module.kv_cache_spec(block_size, dtype) for module in self.attention_layers()]
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
+                       ssm_dtype: torch.dtype = torch.float32) -> list[KVCacheSpec | RecurrentStateSpec]:
+        """What each layer keeps per request, in forward order (module order): an attention module's
+        KV spec, or a recurrent layer's state spec (its SSM state in `ssm_dtype`)."""
+        return [module.kv_cache_spec(block_size, dtype) if isinstance(module, PagedAttention)
+                else module.recurrent_state_spec(ssm_dtype) for module in self.stateful_layers()]
+
+    def stateful_layers(self) -> list[nn.Module]:
+        """Attention modules and recurrent layers (those with `recurrent_state_spec`), in module order."""
+        return [module for module in self.modules()
+                if isinstance(module, PagedAttention) or hasattr(module, "recurrent_state_spec")]
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
@@ -97,6 +106,8 @@ class CausalLM(nn.Module):
             param = params[name]
             module = self.get_submodule(name.rsplit(".", 1)[0])
             try:
+                if hasattr(module, "tp_split"):  # tensor parallel: this rank's rows / columns (layers/parallel.py)
+                    tensor = module.tp_split(name.rsplit(".", 1)[1], tensor, shard)
                 if isinstance(tensor, PackedTensor):
                     if name.endswith(".weight") and hasattr(module, "load_packed"):
                         module.load_packed(tensor, shard)

@@ -9,6 +9,14 @@ from vllmpy.models.base import CausalLM
 from vllmpy.models.llama import Attention, DecoderModel, GatedMLP, SandwichDecoderLayer, norm_eps
 
 
+def with_half_rotary(config: dict) -> dict:
+    """GLM's default partial_rotary_factor 0.5 where the config states none (older config.json files)."""
+    rope = config.get("rope_parameters") or {}
+    if "partial_rotary_factor" not in rope and "partial_rotary_factor" not in config:
+        return {**config, "partial_rotary_factor": 0.5}
+    return config
+
+
 class Glm4ForCausalLM(CausalLM):
     # GLM-4's names for the sandwich norms; renamed in this order, post_attention_layernorm (before the
     # MLP here) first.
@@ -19,9 +27,7 @@ class Glm4ForCausalLM(CausalLM):
     )
 
     def __init__(self, config: dict) -> None:
-        rope = config.get("rope_parameters") or {}
-        if "partial_rotary_factor" not in rope and "partial_rotary_factor" not in config:
-            config = {**config, "partial_rotary_factor": 0.5}
+        config = with_half_rotary(config)
         super().__init__(config)
         hidden = config["hidden_size"]
         layers = [SandwichDecoderLayer(

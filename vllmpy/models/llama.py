@@ -14,7 +14,7 @@ from vllmpy.attention.layer import PagedAttention
 from vllmpy.layers.activation import gated, get_activation
 from vllmpy.layers.embedding import VocabEmbedding
 from vllmpy.layers.linear import Linear, MergedLinear
-from vllmpy.layers.norm import RMSNorm
+from vllmpy.layers.norm import RMSNorm, add_norm
 from vllmpy.layers.rotary import CosSin, RotaryEmbedding, apply_rotary, rope_parameters, rotary_dim
 from vllmpy.models.base import CausalLM
 
@@ -44,14 +44,18 @@ class Attention(nn.Module):
     [heads, head_dim] weight (Cohere, StableLM); "flat" one norm over the whole projection (OLMo 2).
     rope=False: no rotary (learned positions: GPT-2, OPT; Cohere 2's global layers).
     causal=False: bidirectional (encoders: BERT).
+    clip_qkv: q, k and v clamped to [-clip, clip] after a flat q/k norm (OLMoE).
+    sinks: a learned per-head logit in the softmax denominator (gpt-oss), `self_attn.sinks` in checkpoints.
+    Layers of type "chunked_attention" see only their chunk of `attention_chunk_size` keys (Llama 4).
     """
 
     def __init__(self, config: dict, layer_type: str, qkv_bias: bool, o_bias: bool,
                  qk_norm: Norm | None = None, scale: float | None = None,
                  logit_soft_cap: float | None = None, qk_norm_layout: str = "shared", rope: bool = True,
-                 causal: bool = True) -> None:
+                 causal: bool = True, clip_qkv: float | None = None, sinks: bool = False) -> None:
         super().__init__()
         hidden = config["hidden_size"]
+        self.clip_qkv = clip_qkv
         self.num_heads = config["num_attention_heads"]
         self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
         self.head_dim = config.get("head_dim") or hidden // self.num_heads
@@ -67,23 +71,28 @@ class Attention(nn.Module):
         self.layer_type = layer_type
         self.rope = rope
         window = config.get("sliding_window") if layer_type == "sliding_attention" else None
+        chunk = config.get("attention_chunk_size") if layer_type == "chunked_attention" else None
         self.spec = AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim,
                                   scale=scale or self.head_dim ** -0.5, sliding_window=window,
-                                  logit_soft_cap=logit_soft_cap, causal=causal)
-        self.attn = PagedAttention(self.spec)
+                                  logit_soft_cap=logit_soft_cap, causal=causal, chunk_size=chunk)
+        self.attn = PagedAttention(self.spec, sinks=sinks)
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         if self.q_norm is not None and self.qk_norm_flat:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.qk_norm_flat:
+        head_norms = self.q_norm is not None and not self.qk_norm_flat
+        if self.rope:  # the per-head norms go into rotary's pass
+            q = apply_rotary(q, *cos_sin, norm=self.q_norm if head_norms else None)
+            k = apply_rotary(k, *cos_sin, norm=self.k_norm if head_norms else None)
+        elif head_norms:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope:
-            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -157,8 +166,9 @@ class SandwichDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: CosSin | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        h = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        x, h = add_norm(x, h, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        return add_norm(x, self.mlp(h), self.post_feedforward_layernorm)[0]
 
 
 class DecoderModel(nn.Module):
@@ -186,15 +196,21 @@ class DecoderModel(nn.Module):
             kind: RotaryEmbedding(rotary_dim(config, head_dim, kind), rope_parameters(config, kind), max_pos,
                                   rope_interleaved) for kind in kinds})
 
+    def position_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        """Per layer type, what its attention gets for the positions: rope's cos/sin (Llama 4 gives its
+        NoPE layers their query temperatures)."""
+        return {kind: rotary.cos_sin(positions, dtype) for kind, rotary in self.rotary.items()}
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: list[AttentionMetadata]) -> torch.Tensor:
-        x = self.embed(input_ids)
+                meta: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs_embeds: the embedded tokens when the caller built them (image rows spliced in)."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions + self.position_offset)
-        cos_sin = {kind: rotary.cos_sin(positions, x.dtype) for kind, rotary in self.rotary.items()}
+        cos_sin = self.position_inputs(positions, x.dtype)
         for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, meta):
             x = layer(x, cos_sin.get(layer.self_attn.layer_type), kv_cache, layer_meta)
         return self.norm(x)
@@ -202,13 +218,15 @@ class DecoderModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     all_sliding = False  # Mistral: every layer is sliding when sliding_window is set
+    rope_interleaved = False  # GPT-J pair layout (ERNIE 4.5)
 
     def __init__(self, config: dict) -> None:
         super().__init__(config)
         kinds = layer_types(config, self.all_sliding)
         layers = [DecoderLayer(config, self.make_attention(config, kind), self.make_mlp(config, i))
                   for i, kind in enumerate(kinds)]
-        self.model = DecoderModel(config, layers, RMSNorm(config["hidden_size"], norm_eps(config)))
+        self.model = DecoderModel(config, layers, RMSNorm(config["hidden_size"], norm_eps(config)),
+                                  rope_interleaved=self.rope_interleaved)
         self.lm_head = Linear(config["hidden_size"], config["vocab_size"])
         self.tie_weights()
 

@@ -12,9 +12,9 @@ from vllmpy.models.llama import Attention, DecoderModel, GatedMLP, SandwichDecod
 class Olmo2ForCausalLM(CausalLM):
     def __init__(self, config: dict) -> None:
         super().__init__(config)
-        hidden, bias = config["hidden_size"], bool(config.get("attention_bias", False))
+        hidden = config["hidden_size"]
         layers = [SandwichDecoderLayer(
-            config, Attention(config, kind, qkv_bias=bias, o_bias=bias, qk_norm=RMSNorm, qk_norm_layout="flat"),
+            config, self.make_attention(config, kind),
             GatedMLP(hidden, config["intermediate_size"], config.get("hidden_act", "silu")), pre_norms=False)
             for kind in self.layer_types(config)]
         self.model = DecoderModel(config, layers, RMSNorm(hidden, norm_eps(config)))
@@ -23,6 +23,10 @@ class Olmo2ForCausalLM(CausalLM):
 
     def layer_types(self, config: dict) -> list[str]:
         return ["full_attention"] * config["num_hidden_layers"]
+
+    def make_attention(self, config: dict, layer_type: str) -> Attention:
+        bias = bool(config.get("attention_bias", False))
+        return Attention(config, layer_type, qkv_bias=bias, o_bias=bias, qk_norm=RMSNorm, qk_norm_layout="flat")
 
     def forward(self, input_ids, positions, kv_caches, meta):
         return self.model(input_ids, positions, kv_caches, meta)

@@ -1,7 +1,8 @@
 """Persistent block tables: one int64 row per running request and KV cache group, kept across steps.
 
 A request's table only grows while it runs (a sliding window turns entries it left into placeholders,
-but those positions are never read again), so each step appends the entries past what the row holds
+but those positions are never read again; speculation's trimmed tail is announced by the scheduler and
+rewritten), so each step appends the entries past what the row holds
 and the step's [rows, width] table is one index_select, instead of padding and converting every
 request's whole table from Python lists each step (vLLM's BlockTable does the same).
 """
@@ -41,6 +42,13 @@ class BlockTables:
                 self._grow_width(group, len(ids))
             self.tables[group][row, known:len(ids)] = torch.tensor(ids[known:], dtype=torch.int64)
             lengths[group] = len(ids)
+
+    def truncate(self, req_id: str, num_blocks: int) -> None:
+        """The scheduler gave back the request's blocks past `num_blocks` (rejected drafts' blocks): the
+        entries after it are rewritten when the table grows again."""
+        lengths = self.lengths.get(req_id)
+        if lengths is not None:
+            self.lengths[req_id] = [min(length, num_blocks) for length in lengths]
 
     def gather(self, req_ids: list[str], group: int) -> torch.Tensor:
         """[len(req_ids), widest of them] int64, padded with 0 (never read: past each row's context)."""

@@ -9,6 +9,7 @@ group: N, as before).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllmpy.config import CacheConfig
@@ -26,43 +27,68 @@ AUTO_KV_FRACTION = 0.9
 CPU_AUTO_KV_CAP = 4 * 2**30
 
 
+@dataclass(frozen=True)
+class PoolSize:
+    num_blocks: int
+    num_seats: int  # recurrent-state seats; 0 for a model without recurrent layers
+    info: str  # the KV cache INFO line
+    reduction: str | None = None  # the recurrent-state budget line, when max_num_seqs was reduced
+
+
 def resolve_num_blocks(cache_config: CacheConfig, layout: KVCacheLayout, available_bytes: int,
                        max_model_len: int, max_chunk: int,
                        max_num_seqs: int | None = None, cap_bytes: int | None = None) -> tuple[int, str]:
-    """Return (num_blocks, the one INFO line to print). Raises KVCacheTooSmallError before allocating.
+    """(num_blocks, the INFO line) of size_kv_pool, for a model without recurrent layers."""
+    size = size_kv_pool(cache_config, layout, available_bytes, max_model_len, max_chunk, max_num_seqs, cap_bytes)
+    return size.num_blocks, size.info
+
+
+def size_kv_pool(cache_config: CacheConfig, layout: KVCacheLayout, available_bytes: int,
+                 max_model_len: int, max_chunk: int,
+                 max_num_seqs: int | None = None, cap_bytes: int | None = None) -> PoolSize:
+    """Size the pool's blocks (and seats). Raises KVCacheTooSmallError before allocating.
 
     Precedence: --num-blocks, then --kv-cache-memory (whole-pool byte budget, never exceeded), then
     automatic: AUTO_KV_FRACTION of `available_bytes` (at most `cap_bytes`), capped at `max_num_seqs`
     full-length sequences when given, since blocks beyond that only keep old prefixes alive and would
     pin memory for nothing. `max_chunk` is the most tokens one step computes for a request
     (--max-num-batched-tokens): a sliding window holds its window plus that chunk.
+
+    With recurrent layers the seats come out of the same bytes first (recurrent_seats), then the blocks.
     """
     block_size, bytes_per_block = layout.block_size, layout.block_bytes
     blocks_per_seq = layout.blocks_per_request(max_model_len, max_chunk)
     num_groups = len(layout.groups)
+    state_bytes = layout.state_bytes_per_seq
     if cache_config.num_blocks is not None:
-        num_blocks = cache_config.num_blocks * num_groups
+        # Without attention layers a block is one sequence's state (vLLM's Mamba-only pool).
+        pool_bytes = cache_config.num_blocks * (num_groups * bytes_per_block or state_bytes)
         source = "--num-blocks"
         if num_groups > 1:
             source += f" {cache_config.num_blocks} per layer x {num_groups} groups"
         budget = f"--num-blocks {cache_config.num_blocks}"
     elif cache_config.kv_cache_memory is not None:
-        num_blocks = cache_config.kv_cache_memory // bytes_per_block
+        pool_bytes = cache_config.kv_cache_memory
         source = f"--kv-cache-memory {cache_config.kv_cache_memory} B"
         budget = f"budget {cache_config.kv_cache_memory} B (--kv-cache-memory)"
     else:
-        usable = int(available_bytes * AUTO_KV_FRACTION)
+        pool_bytes = int(available_bytes * AUTO_KV_FRACTION)
         source = f"auto: {AUTO_KV_FRACTION:.0%} of {_gib(available_bytes)} available"
-        budget = f"budget {usable} B = {AUTO_KV_FRACTION:.0%} of {available_bytes} B available"
-        if cap_bytes is not None and usable > cap_bytes:
-            usable = cap_bytes
+        budget = f"budget {pool_bytes} B = {AUTO_KV_FRACTION:.0%} of {available_bytes} B available"
+        if cap_bytes is not None and pool_bytes > cap_bytes:
+            pool_bytes = cap_bytes
             source += f", capped at {_gib(cap_bytes)}"
             budget += f", capped at {cap_bytes} B"
-        num_blocks = usable // bytes_per_block
-        if max_num_seqs is not None and num_blocks > max_num_seqs * blocks_per_seq:
-            num_blocks = max_num_seqs * blocks_per_seq
+        seq_bytes = blocks_per_seq * bytes_per_block + state_bytes
+        if max_num_seqs is not None and pool_bytes > max_num_seqs * seq_bytes:
+            pool_bytes = max_num_seqs * seq_bytes
             source += f", capped at {max_num_seqs} sequences of {max_model_len} tokens"
 
+    num_seats, reduction = 0, None
+    if layout.recurrent:
+        num_seats, reduction = recurrent_seats(layout, pool_bytes, blocks_per_seq, max_model_len,
+                                               max_num_seqs, budget)
+    num_blocks = (pool_bytes - num_seats * state_bytes) // bytes_per_block if bytes_per_block else 0
     num_tokens = num_blocks * block_size
     groups = layout.describe(max_model_len, max_chunk)
     if num_blocks < blocks_per_seq:
@@ -73,11 +99,43 @@ def resolve_num_blocks(cache_config: CacheConfig, layout: KVCacheLayout, availab
             f"{bytes_per_block} bytes per block; {budget}). Raise --kv-cache-memory to at least "
             f"{blocks_per_seq * bytes_per_block} bytes, raise --num-blocks to at least "
             f"{-(-blocks_per_seq // num_groups)}, or lower --max-model-len to {fits} or less.")
-    pool_bytes = num_blocks * bytes_per_block
+    block_pool_bytes = num_blocks * bytes_per_block
     info = (f"KV cache: {num_blocks} blocks x {block_size} tokens = {num_tokens} tokens, "
-            f"{pool_bytes} bytes ({_gib(pool_bytes)}, {bytes_per_block} B/block) [{source}]; {groups}; "
-            f"fits {num_blocks // blocks_per_seq} sequences of {max_model_len} tokens")
-    return num_blocks, info
+            f"{block_pool_bytes} bytes ({_gib(block_pool_bytes)}, {bytes_per_block} B/block) [{source}]; {groups}; "
+            + (f"fits {num_blocks // blocks_per_seq} sequences of {max_model_len} tokens" if blocks_per_seq else
+               "no blocks needed"))
+    if num_seats:
+        info += f"; {num_seats} recurrent-state seats x {state_bytes} B = {num_seats * state_bytes} bytes"
+    return PoolSize(num_blocks, num_seats, info, reduction)
+
+
+def recurrent_seats(layout: KVCacheLayout, pool_bytes: int, blocks_per_seq: int, max_model_len: int,
+                    max_num_seqs: int | None, budget: str) -> tuple[int, str | None]:
+    """(seats, the reduction line or None): the recurrent states the pool holds next to the KV blocks of
+    one max_model_len sequence, at most max_num_seqs. Counted in unified pages of one layer's state (the
+    largest), each sequence owning one page per recurrent layer (USAGE's recurrent-state budget line)."""
+    page = max(spec.bytes_per_seq for _, spec in layout.recurrent)
+    per_seq = len(layout.recurrent)
+    one_seq_kv = blocks_per_seq * layout.block_bytes
+    pages = max(0, pool_bytes - one_seq_kv) // page
+    seats = pages // per_seq if max_num_seqs is None else min(max_num_seqs, pages // per_seq)
+    if seats < 1:
+        raise KVCacheTooSmallError(
+            f"KV cache too small for one recurrent state: the pool has {pool_bytes} bytes ({budget}); one "
+            f"sequence of max_model_len {max_model_len} needs {one_seq_kv} bytes of KV blocks ({blocks_per_seq} "
+            f"blocks x {layout.block_bytes} B) plus {per_seq} x {page} = {per_seq * page} bytes of recurrent "
+            f"state. Raise --kv-cache-memory to at least {one_seq_kv + per_seq * page} bytes, raise "
+            f"--num-blocks, or lower --max-model-len.")
+    if max_num_seqs is None or seats == max_num_seqs:
+        return seats, None
+    # A page's bytes as attention tokens (one layer's K/V); without attention a state serves any length.
+    tokens = page * layout.block_size // layout.page_bytes if layout.groups else max_model_len
+    pool_blocks = pool_bytes // (layout.block_bytes or page)
+    return seats, (f"recurrent-state budget: reduced max_num_seqs from {max_num_seqs} to {seats}. The KV pool "
+                   f"({pool_blocks} blocks) holds {pages} unified pages of {tokens} tokens (one page = one "
+                   f"{page}-byte {layout.recurrent[0][1].label} state), and each sequence owns {per_seq} of "
+                   f"them. Raise --num-blocks / --kv-cache-memory for more concurrent sequences, or lower "
+                   f"num_speculative_tokens.")
 
 
 def available_memory_bytes(device: str | torch.device) -> int:

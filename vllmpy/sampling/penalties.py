@@ -40,6 +40,13 @@ class TokenCounts:
             self.seen[ids] = True
             self.output.index_put_((ids,), torch.ones(ids.shape[0], device=ids.device), accumulate=True)
 
+    def fork(self) -> TokenCounts:
+        """A copy to fold a speculative draft prefix into, leaving these counts as they are."""
+        copy = object.__new__(TokenCounts)
+        copy.vocab_size, copy.num_counted = self.vocab_size, self.num_counted
+        copy.seen, copy.output = self.seen.clone(), self.output.clone()
+        return copy
+
     def _valid(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor([t for t in ids if 0 <= t < self.vocab_size], dtype=torch.int64,
                             device=self.seen.device)

@@ -34,12 +34,18 @@ class Sampler:
         self.logits_processors = list(logits_processors)  # engine-level, applied to every step
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw, processed, greedy = self.process(logits, meta)
+        sampled = _sample(processed, meta, greedy)
+        return SamplerOutput(sampled=sampled, logprobs=row_logprobs(raw, sampled, meta))
+
+    def process(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(raw float32 logits, logits after every processor up to penalties, each row's greedy token):
+        what sampling and speculative verification (spec_decode/rejection.py) both start from."""
         raw = logits.float()
         if raw.shape != (meta.num_rows, meta.vocab_size):
             raise ValueError(f"logits {tuple(raw.shape)} do not match metadata ({meta.num_rows}, {meta.vocab_size})")
         processed = _adjust(raw, meta, self.logits_processors) if meta.adjusts_logits or self.logits_processors else raw
-        sampled = _sample(processed, meta, _checked_argmax(processed))
-        return SamplerOutput(sampled=sampled, logprobs=_row_logprobs(raw, sampled, meta))
+        return raw, processed, _checked_argmax(processed)
 
 
 def _adjust(logits: torch.Tensor, meta: SamplingMetadata, processors: Sequence[LogitsProcessor]) -> torch.Tensor:
@@ -96,12 +102,17 @@ def _sample(logits: torch.Tensor, meta: SamplingMetadata, greedy: torch.Tensor) 
 
 
 def _sample_random(logits: torch.Tensor, rnd: RandomRows) -> torch.Tensor:
+    return exponential_race(random_probs(logits, rnd), rnd.generators)
+
+
+def random_probs(logits: torch.Tensor, rnd: RandomRows) -> torch.Tensor:
+    """The distribution a random row samples from: processed logits / temperature, min_p, top-k/top-p."""
     logits = logits / rnd.temperature
     if rnd.min_p is not None:
         logits = _apply_min_p(logits, rnd.min_p)
     if rnd.top_k is not None or rnd.top_p is not None:
         logits = _apply_top_k_top_p(logits, rnd.top_k, rnd.top_p)
-    return _exponential_race(logits.softmax(dim=-1), rnd.generators)
+    return logits.softmax(dim=-1)
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -128,8 +139,8 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
     return logits.scatter(1, order, sorted_logits)  # order is a permutation: every entry is rewritten
 
 
-def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """argmax(p / E) with E ~ Exponential(1) picks token i with probability p_i.
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(p / E) with E ~ Exponential(1) picks token i with probability p_i (p need not sum to 1).
 
     A seeded row draws its whole noise row from its own generator, so its tokens do not depend on the
     batch around it; the other rows share one call on the default generator.
@@ -142,7 +153,7 @@ def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator
     return probs.div(noise).argmax(dim=-1)
 
 
-def _row_logprobs(raw: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata) -> list[SampledLogprobs | None]:
+def row_logprobs(raw: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata) -> list[SampledLogprobs | None]:
     out: list[SampledLogprobs | None] = [None] * meta.num_rows
     if meta.logprob_rows is None:
         return out

@@ -62,6 +62,11 @@ class Grammar:
         """Advance past sampled tokens; False means one was not allowed (the matcher is then in error)."""
         return self._matcher.consume_tokens(token_ids)
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative drafts walked to compute their masks)."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
     @property
     def is_terminated(self) -> bool:
         """No token but EOS may follow: the constraint is met and the request should stop."""

@@ -11,7 +11,8 @@ from typing import Any
 import tokenizers
 
 from vllmpy.tokenizer.chat_template import ChatTemplateError, render_chat
-from vllmpy.tokenizer.gguf_vocab import tokenizer_from_gguf
+from vllmpy.tokenizer.gguf_cache import load_or_build
+from vllmpy.tokenizer.gguf_vocab import GgufTokenizer, tokenizer_from_gguf
 
 # Named special tokens transformers registers as special, so they encode whole and are skipped on decode.
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -80,17 +81,11 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, md: dict[str, Any]) -> "Tokenizer":
         """Build the tokenizer a GGUF's `tokenizer.ggml.*` metadata describes."""
-        gguf = tokenizer_from_gguf(md)
-        check_merges(gguf.tokenizer_json["model"])
-        backend = tokenizers.Tokenizer.from_str(json.dumps(gguf.tokenizer_json))
-        names = {
-            "bos_token": gguf.bos_token,
-            "eos_token": gguf.eos_token,
-            "unk_token": gguf.unk_token,
-            "pad_token": gguf.pad_token,
-        }
-        named = {k: tokenizers.AddedToken(v, special=True, normalized=False) for k, v in names.items() if v is not None}
-        return cls(backend, named, chat_template=gguf.chat_template)
+        gguf = load_or_build(md, _checked_gguf_tokenizer)  # a warm start reads it from the cache
+        backend = gguf.backend()
+        named = {k: tokenizers.AddedToken(gguf.names[k], special=True, normalized=False)
+                 for k in ("bos_token", "eos_token", "unk_token", "pad_token") if gguf.names[k] is not None}
+        return cls(backend, named, chat_template=gguf.names["chat_template"])
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -144,6 +139,12 @@ class Tokenizer:
     def _id_of(self, name: str) -> int | None:
         token = self._named.get(name)
         return None if token is None else self._backend.token_to_id(token)
+
+
+def _checked_gguf_tokenizer(md: dict[str, Any]) -> GgufTokenizer:
+    gguf = tokenizer_from_gguf(md)
+    check_merges(gguf.tokenizer_json["model"])
+    return gguf
 
 
 def check_merges(model: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ INFO_METRICS = {
     "vllmpy:engine_config_info": {"weight_format": "Weight format", "dtype": "Dtype", "device": "Device",
                                   "threads": "Threads", "max_num_seqs": "Max num seqs",
                                   "max_num_batched_tokens": "Max num batched tokens",
-                                  "max_model_len": "Max model len"},
+                                  "max_model_len": "Max model len", "speculative_config": "Speculative decoding"},
     "vllm:cache_config_info": {"block_size": "Block size", "num_gpu_blocks": "KV blocks",
                                "enable_prefix_caching": "Prefix caching",
                                "cache_dtype": "KV cache dtype (requested)",
@@ -74,6 +74,7 @@ def weight_format(core: EngineCore) -> str:
 
 def engine_header(core: EngineCore) -> dict[str, str]:
     config = core.config
+    spec = config.model.speculative_config
     head_dim = core.model.attention_layers()[0].spec.head_dim
     return {
         "vllmpy version": version_line(),
@@ -85,6 +86,7 @@ def engine_header(core: EngineCore) -> dict[str, str]:
         "Max num seqs": str(config.scheduler.max_num_seqs),
         "Max num batched tokens": str(config.scheduler.max_num_batched_tokens),
         "Max model len": str(core.max_model_len),
+        "Speculative decoding": "off" if spec is None else spec.describe(),
         "Block size": str(config.cache.block_size),
         "KV blocks": str(core.num_blocks),
         "Prefix caching": "on" if config.cache.enable_prefix_caching else "off",

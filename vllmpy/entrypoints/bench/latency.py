@@ -50,4 +50,4 @@ def run(args: argparse.Namespace) -> Report:
     # Batch rates at the median: B*I prompt tokens per TTFT, B tokens per TPOT.
     results["prefill_tok_per_s"] = args.batch_size * args.input_len / (results["ttft_ms_p50"] / 1e3)
     results["decode_tok_per_s"] = args.batch_size / (results["tpot_ms_p50"] / 1e3) if tpot else None
-    return Report("latency", bench.header, results)
+    return Report("latency", bench.header, results | bench.spec_figures())

@@ -8,6 +8,7 @@ from vllmpy.entrypoints.bench.prompts import random_token_prompts, usable_token_
 from vllmpy.entrypoints.engine_args import engine_config_from_args
 from vllmpy.entrypoints.llm import LLM
 from vllmpy.sampling_params import SamplingParams
+from vllmpy.spec_decode.drafter import SpecDecodeStats
 
 
 class OfflineBench:
@@ -29,3 +30,17 @@ class OfflineBench:
     def warm_up(self, seed: int) -> None:
         """One short request first: the first forward pays one-time costs (allocator, kernel selection)."""
         self.llm.generate(self.random_prompts(1, 8, seed), self.params(2), use_tqdm=False)
+        drafter = self.llm.engine.core.scheduler.drafter
+        if drafter is not None:  # acceptance is reported for the timed requests only
+            drafter.stats = SpecDecodeStats(accepted_per_pos=[0] * drafter.config.num_speculative_tokens)
+
+    def spec_figures(self) -> dict[str, float | int | None]:
+        """Speculation's acceptance (vLLM's definitions: drafter.py); empty with speculation off."""
+        drafter = self.llm.engine.core.scheduler.drafter
+        if drafter is None:
+            return {}
+        stats = drafter.stats
+        return {"spec_num_drafts": stats.num_drafts, "spec_num_draft_tokens": stats.num_draft_tokens,
+                "spec_num_accepted_tokens": stats.num_accepted_tokens,
+                "spec_acceptance_rate": stats.acceptance_rate,
+                "spec_mean_acceptance_length": stats.mean_acceptance_length}

@@ -45,5 +45,5 @@ def run(args: argparse.Namespace) -> Report:
         "input_tok_per_s": input_tokens / elapsed,
         "output_tok_per_s": output_tokens / elapsed,
         "total_tok_per_s": (input_tokens + output_tokens) / elapsed,
-    }
+    } | bench.spec_figures()
     return Report("throughput", bench.header, results)

@@ -79,6 +79,13 @@ from vllmpy.entrypoints.openai.serving_completion import create_completion
 from vllmpy.entrypoints.openai.serving_embedding import create_embedding
 from vllmpy.entrypoints.openai.serving_messages import count_tokens, create_message
 from vllmpy.entrypoints.openai.serving_engine import ServingContext
+from vllmpy.entrypoints.openai.serving_models import (
+    RUNTIME_LORA_ENV,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    parse_lora_module,
+    runtime_lora_updating,
+)
 from vllmpy.entrypoints.openai.serving_pooling import create_pooling
 from vllmpy.entrypoints.openai.serving_responses import create_response, retrieve_response
 from vllmpy.entrypoints.openai.serving_score import create_rerank, create_score
@@ -121,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "request sends tools); needs --tool-call-parser")
     parser.add_argument("--reasoning-parser", default=None, metavar="NAME",
                         help="split reasoning_content from content: " + ", ".join(REASONING_PARSERS.names()))
+    parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
+                        help="LoRA adapters served by name (needs --enable-lora): name=path, or JSON "
+                             '\'{"name": ..., "path": ..., "base_model_name": ...}\'')
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     _add_http_args(parser.add_argument_group("HTTP connections and CORS"))
@@ -186,18 +196,20 @@ def build_app(ctx: ServingContext, api_key: str | None = None, parsers: ChatPars
     auth = [Depends(_key_check(api_key))] if api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=auth, responses=_ERROR_RESPONSES)
     _declare_limits_in_openapi(app, ctx)
-    models = ModelList(data=[ModelCard(id=name, root=ctx.model_root, max_model_len=ctx.max_model_len)
-                             for name in ctx.served_model_names])
 
-    @v1.get("/models", response_model=ModelList)
+    @v1.get("/models", response_model=ModelList, description="The served names, then LoRA adapters (with parent).")
     async def list_models() -> Response:
-        return _json(models)
+        return _json(ctx.models.model_list())
 
     # `:path` because served names may hold a slash ("org/model"), which the openai client sends as is.
     @v1.get("/models/{model:path}", response_model=ModelCard, description="One served model (models.retrieve).")
     async def retrieve_model(model: str) -> Response:
         ctx.check_model(model)
-        return _json(next(card for card in models.data if card.id == model))
+        return _json(next(card for card in ctx.models.model_list().data if card.id == model))
+
+    if runtime_lora_updating():
+        logger.warning("%s is set: LoRA adapters may be loaded and unloaded at run time", RUNTIME_LORA_ENV)
+        _add_lora_routes(v1, ctx)
 
     @v1.post("/completions", response_model=CompletionResponse,
              description="With stream=true the answer is text/event-stream of CompletionStreamResponse chunks.")
@@ -298,6 +310,17 @@ def build_app(ctx: ServingContext, api_key: str | None = None, parsers: ChatPars
 
 
 # ---------------------------------------------------------------- responses and errors
+
+
+def _add_lora_routes(v1: APIRouter, ctx: ServingContext) -> None:
+    """vLLM's runtime adapter routes; the answer is plain text, as vLLM's."""
+    @v1.post("/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await ctx.models.load(body))
+
+    @v1.post("/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(await ctx.models.unload(body))
 
 
 def _declare_limits_in_openapi(app: FastAPI, ctx: ServingContext) -> None:
@@ -538,6 +561,12 @@ def main(argv: list[str] | None = None) -> int:
         names = args.served_model_name or [args.model or "default"]
         ctx = ServingContext(engine, names, engine.engine.core.checkpoint.path, chat_template=chat_template,
                              chat_template_kwargs=default_chat_template_kwargs(args))
+        try:
+            ctx.models.load_static(args.lora_modules or [])
+        except ValueError as exc:
+            print(f"vllm-server: error: {exc}", file=sys.stderr)
+            engine.shutdown()
+            return 2
         app = build_app(ctx, args.api_key, parsers)
         _add_http_middleware(app, args)
         server = uvicorn.Server(_uvicorn_config(app, args))

@@ -215,6 +215,19 @@ class TextContentPart(RequestModel):
     text: str
 
 
+class ImageURL(RequestModel):
+    url: str  # data:image/...;base64,..., http(s)://..., or file://... under --allowed-local-media-path
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, as vLLM; the processor decides the size
+
+
+class ImageURLContentPart(RequestModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextContentPart | ImageURLContentPart, Field(discriminator="type")]
+
+
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
@@ -224,21 +237,22 @@ class ChatMessage(RequestModel):
         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}})
 
     role: ChatRole
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _text_parts_only(cls, data: Any) -> Any:
-        """An image_url (or other non-text) part is refused by what it is, not as "Input should be 'text'"."""
+    def _known_parts_only(cls, data: Any) -> Any:
+        """A part of another type (input_audio, video_url) is refused by what it is, not by a union error."""
         content = data.get("content") if isinstance(data, dict) else None
         for part in content if isinstance(content, list) else []:
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
-                raise ValueError(f"content parts of type {kind!r} need a multimodal model; this model takes text "
-                                 f"only, so send parts of type 'text' (or content as a string)")
+            if isinstance(kind, str) and kind not in ("text", "image_url"):
+                raise ValueError(f"content parts of type {kind!r} need a multimodal model that takes them; this "
+                                 f"server takes parts of type 'text' and 'image_url' (images need a "
+                                 f"vision-language model)")
         return data
 
     @model_validator(mode="after")

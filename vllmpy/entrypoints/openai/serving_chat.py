@@ -177,12 +177,13 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     request.check()
     ctx.check_model(request.model)
     plan = _plan(request, parsers, ctx.chat_template_kwargs)
-    text = ctx.render_chat(request)
-    token_ids = ctx.encode(text, request.add_special_tokens, "messages")
+    prompt = await ctx.chat_prompt(request)
+    token_ids = prompt["prompt_token_ids"]
     max_tokens_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(request, max_tokens_field)
     # Engine messages name SamplingParams' fields; these are the chat request's names for them.
-    renames = {"prompt": "messages", "max_tokens": max_tokens_field, "logprobs": "top_logprobs"}
+    renames = {"prompt": "messages", "max_tokens": max_tokens_field, "logprobs": "top_logprobs",
+               "multi_modal_data": "messages"}
     if plan.constraint is not None:
         renames["structured_outputs"] = plan.constraint.field
     ctx.check_max_tokens(len(token_ids), max_tokens, max_tokens_field)
@@ -191,7 +192,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         prompt_logprobs=request.prompt_logprobs, renames=renames,
         structured_outputs=plan.constraint.params if plan.constraint is not None else None))
     request_id = random_id("chatcmpl")
-    stream = await ctx.start({"prompt": text, "prompt_token_ids": token_ids}, params, request, request_id,
+    stream = await ctx.start(prompt, params, request, request_id,
                              delta=request.stream, renames=renames)
     if request.stream:
         return _stream(ctx, request, request_id, stream, plan)
@@ -220,7 +221,7 @@ async def _collect(ctx: ServingContext, request: ChatCompletionRequest, request_
                                   finish_reason=parser.finish_reason(c.finish_reason), stop_reason=c.stop_reason))
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
     return ChatCompletionResponse(
-        id=request_id, model=ctx.model_name, choices=choices,
+        id=request_id, model=ctx.response_model(request.model), choices=choices,
         usage=usage_info(len(final.prompt_token_ids), completion_tokens),
         # One rendered prompt serves every choice, so its logprobs sit beside the choices (as vLLM).
         prompt_logprobs=prompt_logprobs(final.prompt_logprobs) if request.prompt_logprobs is not None else None)
@@ -235,7 +236,8 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
 
     def chunk(choice: ChatStreamChoice) -> ChatCompletionStreamResponse:
         usage = usage_info(prompt_tokens, sum(completion_tokens.values())) if request.continuous_usage else None
-        return ChatCompletionStreamResponse(id=request_id, model=ctx.model_name, choices=[choice], usage=usage)
+        return ChatCompletionStreamResponse(id=request_id, model=ctx.response_model(request.model), choices=[choice],
+                                            usage=usage)
 
     try:
         async for output in stream:
@@ -264,5 +266,5 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, request_i
     finally:
         await stream.aclose()
     if request.include_usage:
-        yield ChatCompletionStreamResponse(id=request_id, model=ctx.model_name, choices=[],
+        yield ChatCompletionStreamResponse(id=request_id, model=ctx.response_model(request.model), choices=[],
                                            usage=usage_info(prompt_tokens, sum(completion_tokens.values())))

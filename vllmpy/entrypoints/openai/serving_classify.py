@@ -12,7 +12,7 @@ _FIELDS = ("truncate_prompt_tokens", "use_activation", "model")
 
 
 async def create_classify(ctx: ServingContext, request: ClassificationRequest) -> ClassificationResponse:
-    ctx.check_model(request.model)
+    ctx.check_base_model(request.model)
     request_id = random_id("classify")
     try:
         params = PoolingParams(task="classify", truncate_prompt_tokens=request.truncate_prompt_tokens,

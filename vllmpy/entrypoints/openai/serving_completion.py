@@ -20,6 +20,7 @@ from vllmpy.entrypoints.openai.protocol import (
 from vllmpy.entrypoints.openai.serving_engine import EngineStream, ServingContext, check_finished, random_id, usage_info
 from vllmpy.entrypoints.openai.structured import request_constraint
 from vllmpy.outputs import CompletionOutput, RequestOutput
+from vllmpy.sampling_params import SamplingParams
 
 
 async def create_completion(ctx: ServingContext, request: CompletionRequest
@@ -40,19 +41,39 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest
                                  prompt_logprobs=engine_prompt_logprobs, renames=renames,
                                  structured_outputs=constraint.params if constraint is not None else None)
     request_id = random_id("cmpl")
-    streams: list[EngineStream] = []
-    try:
-        for i, prompt in enumerate(prompts):
-            streams.append(await ctx.start(prompt, params, request, f"{request_id}-{i}", delta=request.stream,
-                                           renames=renames))
-    except BaseException:
-        for stream in streams:
-            await stream.aclose()
-        raise
+    streams = await _start_all(ctx, request, params, prompts, request_id, renames)
     builder = _ChoiceBuilder(ctx, request)
     if request.stream:
         return _stream(ctx, request, request_id, streams, builder)
     return await _collect(ctx, request, request_id, streams, builder)
+
+
+async def _start_all(ctx: ServingContext, request: CompletionRequest, params: SamplingParams, prompts: list[dict],
+                     request_id: str, renames: dict[str, str]) -> list[EngineStream]:
+    """Submit every prompt at once (they share prefill steps; one at a time cost a step each). The first
+    failure in prompt order answers the request and every stream that did start is closed (aborted),
+    also when the client goes away while they start."""
+    tasks = [asyncio.ensure_future(ctx.start(prompt, params, request, f"{request_id}-{i}", delta=request.stream,
+                                             renames=renames)) for i, prompt in enumerate(prompts)]
+    try:
+        await asyncio.wait(tasks)
+    except BaseException:
+        await _close_started(tasks)
+        raise
+    failure = next((task.exception() for task in tasks if task.exception() is not None), None)
+    if failure is not None:
+        await _close_started(tasks)
+        raise failure
+    return [task.result() for task in tasks]
+
+
+async def _close_started(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()  # a no-op on a finished one
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is None:
+            await task.result().aclose()
 
 
 def _engine_prompts(ctx: ServingContext, request: CompletionRequest) -> list[dict]:
@@ -114,7 +135,7 @@ async def _collect(ctx: ServingContext, request: CompletionRequest, request_id: 
                 else None))
     prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
     completion_tokens = sum(len(c.token_ids) for f in finals for c in f.outputs)
-    return CompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
+    return CompletionResponse(id=request_id, model=ctx.response_model(request.model), choices=choices,
                               usage=usage_info(prompt_tokens, completion_tokens))
 
 
@@ -145,12 +166,12 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, request_id: s
                 usage = usage_info(sum(prompt_tokens), sum(completion_tokens.values())) \
                     if request.continuous_usage else None
                 yield CompletionStreamResponse(
-                    id=request_id, model=ctx.model_name, usage=usage,
+                    id=request_id, model=ctx.response_model(request.model), usage=usage,
                     choices=[CompletionStreamChoice(index=index, text=text, logprobs=logprobs,
                                                     finish_reason=completion.finish_reason,
                                                     stop_reason=completion.stop_reason)])
     if request.include_usage:
-        yield CompletionStreamResponse(id=request_id, model=ctx.model_name, choices=[],
+        yield CompletionStreamResponse(id=request_id, model=ctx.response_model(request.model), choices=[],
                                        usage=usage_info(sum(prompt_tokens), sum(completion_tokens.values())))
 
 

@@ -17,7 +17,7 @@ _FIELDS = ("dimensions", "truncate_prompt_tokens", "model")
 
 
 async def create_embedding(ctx: ServingContext, request: EmbeddingRequest) -> EmbeddingResponse:
-    ctx.check_model(request.model)
+    ctx.check_base_model(request.model)
     request_id = random_id("embd")
     try:
         params = PoolingParams(task="embed", dimensions=request.dimensions, normalize=request.normalize,

@@ -11,9 +11,13 @@ from typing import Any
 from vllmpy.engine.async_llm import AsyncLLM
 from vllmpy.engine.llm_engine import PromptType
 from vllmpy.entrypoints.bench.header import info_metrics
+from vllmpy.entrypoints.openai.chat_images import load_chat_images
 from vllmpy.entrypoints.openai.errors import RequestError
 from vllmpy.entrypoints.openai.protocol import ChatMessage, ChatRenderFields, SamplingRequest, UsageInfo
+from vllmpy.entrypoints.openai.serving_models import ServingModels
 from vllmpy.metrics import RequestTracker, ServerMetrics
+from vllmpy.multimodal.chat import template_content, template_takes_parts
+from vllmpy.multimodal.media import MediaConfig
 from vllmpy.outputs import RequestOutput
 from vllmpy.sampling_params import SamplingParams, StructuredOutputsParams
 from vllmpy.tokenizer import ChatTemplateError, Tokenizer
@@ -51,6 +55,7 @@ class ServingContext:
         self.model_name = served_model_names[0]
         self.model_root = model_root
         self.max_model_len: int = engine.engine.core.max_model_len
+        self.models = ServingModels(engine, served_model_names, model_root, self.max_model_len)  # + LoRA adapters
         self.vocab_size: int = engine.engine.core.vocab_size
         self.max_num_seqs: int = engine.engine.core.config.scheduler.max_num_seqs
         self.max_logprobs: int = engine.engine.core.config.model.max_logprobs
@@ -60,6 +65,9 @@ class ServingContext:
         self.chat_template = chat_template
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.metrics = ServerMetrics(engine.stats, self.model_name, info_metrics(engine.engine.core))
+        core = engine.engine.core
+        self.mm_processor = core.mm_processor  # None: a text-only model (image parts are refused)
+        self.media = MediaConfig.of(core.config.model)  # where image_url parts may be read from
         self._stop_future: asyncio.Future | None = None
 
     def check_truncation(self, truncate_prompt_tokens: int | None) -> None:
@@ -70,8 +78,20 @@ class ServingContext:
                                f"({self.max_model_len}); choose a smaller truncation size", "truncate_prompt_tokens")
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            raise RequestError(f"The model `{model}` does not exist.", "model", HTTPStatus.NOT_FOUND)
+        """A served name or a LoRA adapter's; 404 otherwise."""
+        self.models.lora_request(model)
+
+    def check_base_model(self, model: str | None) -> None:
+        """The pooling routes (embeddings, pooling, score, rerank, classify) serve the base model only: an
+        adapter's name is refused rather than answered by the base model."""
+        if model in self.models.lora_requests:
+            raise RequestError(f"`{model}` is a LoRA adapter, which this route does not serve; send the base "
+                               f"model's name {self.model_name!r}", "model")
+        self.check_model(model)
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response reports: the adapter's name for a request on one (as vLLM), else ours."""
+        return model if model in self.models.lora_requests else self.model_name
 
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         size = len(text.encode("utf-8"))
@@ -79,6 +99,20 @@ class ServingContext:
             raise RequestError(f"prompt length {size} bytes exceeds the maximum allowed prompt length of "
                                f"{self.max_prompt_bytes} bytes", param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def chat_prompt(self, request: ChatRenderFields) -> dict:
+        """The rendered conversation as an engine prompt: text, token ids and, with image_url parts, the
+        loaded images (each marker expanded into its placeholder tokens before tokenizing)."""
+        images = await load_chat_images([m.model_dump(exclude_none=True) for m in request.messages],
+                                        self.mm_processor, self.media, self.engine.engine.core._arch)
+        text = self.render_chat(request)
+        if images:
+            try:
+                text = self.mm_processor.expand_prompt(text, images, "messages")
+            except ValueError as exc:
+                raise RequestError(str(exc), "messages") from None
+        prompt = {"prompt": text, "prompt_token_ids": self.encode(text, request.add_special_tokens, "messages")}
+        return {**prompt, "multi_modal_data": {"image": images}} if images else prompt
 
     def render_chat(self, request: ChatRenderFields) -> str:
         """The conversation as the chat template writes it, with server defaults under the request's kwargs."""
@@ -91,9 +125,11 @@ class ServingContext:
         if self.chat_template is None and self.tokenizer.chat_template is None:
             raise RequestError("this model has no chat template, so chat messages cannot be rendered; start "
                                "the server with --chat-template <file or template>", "messages")
+        marker = None if self.mm_processor is None else self.mm_processor.layout.marker
+        takes_parts = template_takes_parts(self.chat_template or self.tokenizer.chat_template)
         try:
             return self.tokenizer.apply_chat_template(
-                [_template_message(m) for m in request.messages],
+                [_template_message(m, marker, takes_parts) for m in request.messages],
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message, tools=request.tools,
                 chat_template=self.chat_template, chat_template_kwargs=kwargs)
@@ -137,7 +173,8 @@ class ServingContext:
                     request_id: str, *, delta: bool, renames: dict[str, str]) -> EngineStream:
         """Submit and wait for the first output, so the engine's refusal arrives before any response."""
         stream = EngineStream(
-            self.engine.generate(prompt, params, request_id=request_id, priority=request.priority, delta=delta),
+            self.engine.generate(prompt, params, request_id=request_id, priority=request.priority, delta=delta,
+                                 lora_request=self.models.lora_request(request.model)),
             self.metrics.track(), self._stopped())
         try:
             await stream.wait_first()
@@ -226,12 +263,15 @@ def _param_of(message: str, request: SamplingRequest, renames: dict[str, str]) -
     return word if word in type(request).model_fields else None
 
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates expect it: content always a string (text parts joined by newlines, as
-    vLLM's string content format), tool-call arguments as objects."""
+def _template_message(message: ChatMessage, image_marker: str | None, takes_parts: bool) -> dict[str, Any]:
+    """A message as chat templates expect it: content a string (text parts joined by newlines, as vLLM's
+    string content format) unless it has images and the template reads parts (multimodal/chat.py),
+    tool-call arguments as objects."""
     out = message.model_dump(exclude_none=True)
-    content = message.content or ""
-    out["content"] = content if isinstance(content, str) else "\n".join(part.text for part in content)
+    try:
+        out["content"] = template_content(out.get("content"), image_marker, takes_parts)
+    except ValueError as exc:
+        raise RequestError(str(exc), "messages") from None
     for call in out.get("tool_calls") or []:
         function = call.get("function")
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):

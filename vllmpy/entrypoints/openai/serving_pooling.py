@@ -15,7 +15,7 @@ _FIELDS = ("dimensions", "normalize", "truncate_prompt_tokens", "use_activation"
 
 
 async def create_pooling(ctx: ServingContext, request: PoolingRequest) -> PoolingResponse:
-    ctx.check_model(request.model)
+    ctx.check_base_model(request.model)
     request_id = random_id("pool")
     try:
         params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize,

@@ -23,7 +23,7 @@ _FIELDS = ("text_1", "text_2", "truncate_prompt_tokens", "use_activation", "mode
 
 
 async def create_score(ctx: ServingContext, request: ScoreRequest) -> ScoreResponse:
-    ctx.check_model(request.model)
+    ctx.check_base_model(request.model)
     request_id = random_id("score")
     scores = await _score(ctx, as_texts(request.text_1), as_texts(request.text_2), request, request_id,
                           ("text_1", "text_2"))
@@ -33,7 +33,7 @@ async def create_score(ctx: ServingContext, request: ScoreRequest) -> ScoreRespo
 
 
 async def create_rerank(ctx: ServingContext, request: RerankRequest) -> RerankResponse:
-    ctx.check_model(request.model)
+    ctx.check_base_model(request.model)
     request_id = random_id("rerank")
     scores = await _score(ctx, [request.query], request.documents, request, request_id, ("query", "documents"))
     order = sorted(range(len(scores)), key=lambda i: scores[i][0], reverse=True)

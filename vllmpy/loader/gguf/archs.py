@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.loader.gguf.metadata import ArchMetadata
-from vllmpy.loader.gguf.transforms import AsRow, SubtractOffset, Transform, UnpermuteRope
+from vllmpy.loader.gguf.transforms import (AsRow, ChannelConv, Flatten, NegExpToLog, SubtractOffset, Transform,
+                                           UnpermuteRope)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -60,6 +61,9 @@ GPT2_LAYER_NAMES = {
 # Phi-3 and GLM-4 keep q/k/v (sometimes) and gate/up (always) fused; llama.cpp names gate_up `ffn_up`.
 FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
+# Granite's muP scalars under the names its converter writes.
+GRANITE_SCALES = {"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
+                  "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"}
 # HF config key -> `{arch}.` metadata suffix, read when present.
 OPTIONAL_KEYS = {"sliding_window": "attention.sliding_window"}
 LAYER_NORM_EPS = ("layer_norm_eps", "attention.layer_norm_epsilon")
@@ -108,6 +112,16 @@ def _llama_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.nda
         return {}
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
             "num_experts_per_tok": meta.integer("expert_used_count")}
+
+
+def _granite_moe_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """Granite-MoE's experts are feed_forward_length wide; llama.cpp renormalizes the top-k as HF does."""
+    return {"num_local_experts": meta.integer("expert_count"), "num_experts_per_tok": meta.integer("expert_used_count")}
+
+
+def _olmoe_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """OLMoE's experts are feed_forward_length wide; its converter writes no clip_qkv (llama.cpp never clamps)."""
+    return {"num_experts": meta.integer("expert_count"), "num_experts_per_tok": meta.integer("expert_used_count")}
 
 
 def _qwen_moe_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
@@ -184,17 +198,30 @@ def _stablelm_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.
     return {**_partial_rotary(meta, config), "use_parallel_residual": bool(meta.raw("use_parallel_residual", True))}
 
 
-def _olmo2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
-    """OLMo 3 converts to llama.cpp's olmo2 architecture plus a sliding window and its per-layer pattern."""
-    if not config.get("sliding_window"):
-        return {}
+def _sliding_layer_types(meta: ArchMetadata, config: dict) -> list[str]:
+    """`attention.sliding_window_pattern` as one flag per layer (true = sliding); llama.cpp's default
+    when absent: three sliding layers, then a full one."""
     layers = config["num_hidden_layers"]
     pattern = meta.raw("attention.sliding_window_pattern") or [(i + 1) % 4 != 0 for i in range(layers)]
     if not isinstance(pattern, list) or len(pattern) != layers:
         raise UnsupportedCheckpointError(
             f"GGUF {meta.key('attention.sliding_window_pattern')!r} must list one flag for each of {layers} layers")
+    return ["sliding_attention" if flag else "full_attention" for flag in pattern]
+
+
+def _olmo2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """OLMo 3 converts to llama.cpp's olmo2 architecture plus a sliding window and its per-layer pattern."""
+    if not config.get("sliding_window"):
+        return {}
     return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
-            "layer_types": ["sliding_attention" if flag else "full_attention" for flag in pattern]}
+            "layer_types": _sliding_layer_types(meta, config)}
+
+
+def _exaone4_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """With a sliding window, EXAONE 4's local layers (rope) and global ones (NoPE) by the per-layer flags."""
+    if not config.get("sliding_window"):
+        return {}
+    return {"layer_types": _sliding_layer_types(meta, config)}
 
 
 def _cohere2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
@@ -207,6 +234,211 @@ def _cohere2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.n
 def _glm4_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
     return _partial_rotary(meta, config)
 
+
+# DeepSeek-V2/V3's MLA projections and MoE; llama.cpp's newer converters split kv_b_proj into k_b (stored
+# transposed, [heads, kv_lora_rank, nope]) and v_b, older ones keep it whole: both load.
+DEEPSEEK2_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", **MLP_NAMES, **MOE_NAMES,
+    "attn_q": "self_attn.q_proj", "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj", "attn_k_b": "self_attn.k_b_proj",
+    "attn_v_b": "self_attn.v_b_proj", "attn_output": "self_attn.o_proj", "exp_probs_b": "mlp.gate.e_score_correction",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+_EXPERT_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE
+
+
+def _deepseek2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """DeepSeek-V2 / V3 / Kimi K2 as llama.cpp's converter states them. Its MLA-as-MQA keys (head_count_kv 1,
+    key_length = kv_lora_rank + rope) come with key_length_mla / value_length_mla in newer files; older
+    files state the per-head sizes as key_length / value_length. A correction bias (exp_probs_b) is V3's router."""
+    rope = meta.integer("rope.dimension_count")
+    key = meta.integer("attention.key_length_mla", None) or meta.integer("attention.key_length")
+    value = meta.integer("attention.value_length_mla", None) or meta.integer("attention.value_length")
+    gating = meta.integer("expert_gating_func", 1)
+    if gating not in _EXPERT_GATING:
+        raise UnsupportedCheckpointError(f"GGUF {meta.key('expert_gating_func')}={gating} is not supported; "
+                                         f"supported: {', '.join(f'{k} ({v})' for k, v in _EXPERT_GATING.items())}")
+    groups = meta.integer("expert_group_count", 1)
+    biased = config.pop("e_score_correction_bias")
+    extra = {
+        "num_key_value_heads": config["num_attention_heads"], "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": key - rope, "v_head_dim": value, "kv_lora_rank": meta.integer("attention.kv_lora_rank"),
+        "q_lora_rank": meta.integer("attention.q_lora_rank", None),
+        "first_k_dense_replace": meta.integer("leading_dense_block_count", 0),
+        "n_routed_experts": meta.integer("expert_count"), "num_experts_per_tok": meta.integer("expert_used_count"),
+        "moe_intermediate_size": meta.integer("expert_feed_forward_length"),
+        "n_shared_experts": meta.integer("expert_shared_count", 0),
+        "routed_scaling_factor": meta.number("expert_weights_scale", 1.0),
+        "norm_topk_prob": bool(meta.raw("expert_weights_norm", False)), "scoring_func": _EXPERT_GATING[gating],
+        "n_group": groups, "topk_group": meta.integer("expert_group_used_count", groups),
+        "topk_method": "noaux_tc" if biased else "group_limited_greedy" if groups > 1 else "greedy",
+    }
+    if biased:
+        extra.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+    return extra
+
+
+# The sparse families whose shared experts and correction bias keep DeepSeek's HF names.
+SHARED_EXPERTS_NAMES = {"ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                        "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+
+
+def _ernie45_moe_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """ERNIE-4.5-MoE: llama.cpp's leading dense blocks and MoE interleave are HF's moe_layer_start_index and
+    moe_layer_interval; its shared experts are moe_intermediate_size wide each."""
+    return {"moe_num_experts": meta.integer("expert_count"), "moe_k": meta.integer("expert_used_count"),
+            "moe_intermediate_size": meta.integer("expert_feed_forward_length"),
+            "moe_num_shared_experts": meta.integer("expert_shared_count", 0),
+            "moe_layer_start_index": meta.integer("leading_dense_block_count", 0),
+            "moe_layer_interval": meta.integer("interleave_moe_layer_step", 1)}
+
+
+def _glm4_moe_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """GLM-4.5: DeepSeek-V3's sigmoid, grouped, biased routing under llama.cpp's expert keys. The converter
+    counts the MTP layers (nextn_predict_layers) in block_count: the decoder is the layers before them."""
+    nextn = meta.integer("nextn_predict_layers", 0)
+    groups = meta.integer("expert_group_count", 1)
+    gating = meta.integer("expert_gating_func", 2)
+    if _EXPERT_GATING.get(gating) != "sigmoid":
+        raise UnsupportedCheckpointError(f"GGUF {meta.key('expert_gating_func')}={gating} is not supported for "
+                                         f"{meta.arch}; supported: 2 (sigmoid)")
+    return {**_partial_rotary(meta, config), "num_hidden_layers": config["num_hidden_layers"] - nextn,
+            "num_nextn_predict_layers": nextn, "n_routed_experts": meta.integer("expert_count"),
+            "num_experts_per_tok": meta.integer("expert_used_count"),
+            "moe_intermediate_size": meta.integer("expert_feed_forward_length"),
+            "n_shared_experts": meta.integer("expert_shared_count", 0),
+            "first_k_dense_replace": meta.integer("leading_dense_block_count", 0),
+            "routed_scaling_factor": meta.number("expert_weights_scale", 1.0),
+            "norm_topk_prob": bool(meta.raw("expert_weights_norm", False)),
+            "n_group": groups, "topk_group": meta.integer("expert_group_used_count", groups)}
+
+
+# What llama.cpp hard-codes for Llama 4 rather than storing: chunk size, NoPE step, temperature tuning.
+LLAMA4_CHUNK, LLAMA4_NO_ROPE_STEP, LLAMA4_FLOOR_SCALE, LLAMA4_ATTN_SCALE = 8192, 4, 8192, 0.1
+
+
+def _llama4_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """Llama 4 as llama.cpp runs it: rope + chunked attention on three layers of four, NoPE global on the
+    fourth (a sliding window of 0: no chunks, only the last layer NoPE); L2 q/k norm except for the
+    128-expert model (Maverick); feed_forward_length is the dense layers' width, the experts'
+    expert_feed_forward_length."""
+    layers = config["num_hidden_layers"]
+    chunked = meta.raw("attention.sliding_window") != 0
+    step = LLAMA4_NO_ROPE_STEP if chunked else layers
+    rope = [(i + 1) % step != 0 for i in range(layers)]
+    experts = meta.integer("expert_count")
+    return {"num_local_experts": experts, "num_experts_per_tok": meta.integer("expert_used_count"),
+            "intermediate_size": meta.integer("expert_feed_forward_length"),
+            "intermediate_size_mlp": config["intermediate_size"],
+            "interleave_moe_layer_step": meta.integer("interleave_moe_layer_step", 1),
+            "no_rope_layers": [int(flag) for flag in rope], "attention_chunk_size": LLAMA4_CHUNK,
+            "layer_types": ["chunked_attention" if flag and chunked else "full_attention" for flag in rope],
+            "use_qk_norm": experts != 128, "attn_temperature_tuning": True, "floor_scale": LLAMA4_FLOOR_SCALE,
+            "attn_scale": LLAMA4_ATTN_SCALE}
+
+
+def _gpt_oss_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """gpt-oss as llama.cpp runs it: even layers slide, odd ones attend fully; SwiGLU clamped at 7 with
+    alpha 1.702 (hard-coded there). Every gpt-oss checkpoint's YaRN is untruncated, which no key states."""
+    layers = config["num_hidden_layers"]
+    scaling = config["rope_scaling"]
+    return {"num_local_experts": meta.integer("expert_count"), "num_experts_per_tok": meta.integer("expert_used_count"),
+            "intermediate_size": meta.integer("expert_feed_forward_length"),
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+            "rope_scaling": None if scaling is None else {**scaling, "truncate": False}}
+
+
+
+def ssm_names(mixer: str) -> dict[str, str]:
+    """llama.cpp's Mamba2 mixer tensors -> HF's under `mixer`: dt_bias is written `ssm_dt.bias`, A and D bare."""
+    return {"ssm_in": f"{mixer}.in_proj", "ssm_conv1d": f"{mixer}.conv1d", "ssm_dt.bias": f"{mixer}.dt_bias",
+            "ssm_a": f"{mixer}.A_log", "ssm_d": f"{mixer}.D", "ssm_norm": f"{mixer}.norm",
+            "ssm_out": f"{mixer}.out_proj"}
+
+
+# The Mamba2 converter squeezes the conv to [C, K], reshapes D to [H, 1] and the norm to [groups, I / groups],
+# and stores A = -exp(A_log).
+SSM_TRANSFORMS: dict[str, Transform] = {"ssm_conv1d.weight": ChannelConv(), "ssm_a": NegExpToLog(),
+                                        "ssm_d": Flatten(), "ssm_norm.weight": Flatten()}
+
+
+def _ssm_sizes(meta: ArchMetadata, hidden: int) -> dict[str, int]:
+    """The mixer's sizes as the converter states them; time_step_rank is the SSM head count."""
+    inner, heads = meta.integer("ssm.inner_size"), meta.integer("ssm.time_step_rank")
+    if heads <= 0 or inner % heads or inner % hidden:
+        raise UnsupportedCheckpointError(
+            f"GGUF {meta.key('ssm.inner_size')}={inner} must be a multiple of {meta.key('ssm.time_step_rank')}"
+            f"={heads} heads and of embedding_length {hidden}")
+    return {"heads": heads, "head_dim": inner // heads, "groups": meta.integer("ssm.group_count"),
+            "state": meta.integer("ssm.state_size"), "conv": meta.integer("ssm.conv_kernel"), "expand": inner // hidden}
+
+
+def _mamba2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """Mamba2's converter states head_count 0 and feed_forward_length 0: attention-free, no MLP."""
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        config.pop(key)
+    ssm = _ssm_sizes(meta, config["hidden_size"])
+    return {"num_heads": ssm["heads"], "head_dim": ssm["head_dim"], "n_groups": ssm["groups"],
+            "state_size": ssm["state"], "conv_kernel": ssm["conv"], "expand": ssm["expand"]}
+
+
+def _attention_layers(meta: ArchMetadata, layers: int) -> list[bool]:
+    """Hybrids' head_count_kv lists one count per layer, 0 on the recurrent ones."""
+    per_layer = meta.raw("attention.head_count_kv")
+    if not isinstance(per_layer, list) or len(per_layer) != layers:
+        raise UnsupportedCheckpointError(
+            f"GGUF {meta.key('attention.head_count_kv')!r} must list one head count per layer ({layers} layers)")
+    return [bool(heads) for heads in per_layer]
+
+
+# Granite 4.0-H and Bamba (both `granitehybrid`): Mamba2 or attention per layer, a shared MLP (ffn_* when
+# dense, ffn_*_shexp beside the experts), the experts' input_linear split into gate and up stacks.
+GRANITE_HYBRID_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", **ATTENTION_NAMES,
+    **ssm_names("linear_attn"), "ffn_gate_inp": "mlp.moe.gate", "ffn_gate_exps": "mlp.moe.experts.gate_proj",
+    "ffn_up_exps": "mlp.moe.experts.up_proj", "ffn_down_exps": "mlp.moe.experts.down_proj",
+    "ffn_gate": "mlp.shared.gate_proj", "ffn_up": "mlp.shared.up_proj", "ffn_down": "mlp.shared.down_proj",
+    "ffn_gate_shexp": "mlp.shared.gate_proj", "ffn_up_shexp": "mlp.shared.up_proj",
+    "ffn_down_shexp": "mlp.shared.down_proj",
+}
+
+
+def _granite_hybrid_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """The layer pattern is head_count_kv per layer (0: Mamba2); llama.cpp's rope switch for the family is
+    rope.scaling.finetuned (Bamba ropes, Granite 4.0-H is NoPE)."""
+    attention = _attention_layers(meta, config["num_hidden_layers"])
+    ssm = _ssm_sizes(meta, config["hidden_size"])
+    rope = bool(meta.raw("rope.scaling.finetuned", False))
+    experts = meta.integer("expert_count", 0)
+    return {
+        "layer_types": ["attention" if a else "mamba" for a in attention],
+        "position_embedding_type": "rope" if rope else "nope", **(_partial_rotary(meta, config) if rope else {}),
+        "mamba_n_heads": ssm["heads"], "mamba_d_head": ssm["head_dim"], "mamba_n_groups": ssm["groups"],
+        "mamba_d_state": ssm["state"], "mamba_d_conv": ssm["conv"], "mamba_expand": ssm["expand"],
+        "num_local_experts": experts, "num_experts_per_tok": meta.integer("expert_used_count", 0),
+        "shared_intermediate_size": meta.integer("expert_shared_feed_forward_length", config["intermediate_size"]),
+    }
+
+
+
+# LFM2's short-conv layers (`shortconv.*`, the conv squeezed to [C, K]) beside attention with q/k norms;
+# its final norm is llama.cpp's token_embd_norm (HF's embedding_norm).
+LFM2_LAYER_NAMES = {
+    "attn_norm": "operator_norm", "ffn_norm": "ffn_norm", **ATTENTION_NAMES, "attn_output": "self_attn.out_proj",
+    "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm",
+    "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj",
+    "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
+}
+
+
+def _lfm2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """feed_forward_length is the MLP's built width (the converter applies block_auto_adjust_ff_dim)."""
+    attention = _attention_layers(meta, config["num_hidden_layers"])
+    return {"layer_types": ["full_attention" if a else "conv" for a in attention], "block_auto_adjust_ff_dim": False,
+            "conv_L_cache": meta.integer("shortconv.l_cache"), "norm_eps": config["rms_norm_eps"]}
 
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec(
@@ -341,10 +573,38 @@ ARCHS: dict[str, ArchSpec] = {
         model_type="granite",
         layer_names=LLAMA_LAYER_NAMES,
         config_constants={"hidden_act": "silu"},
-        optional_keys={"attention_multiplier": "attention.scale", "embedding_multiplier": "embedding_scale",
-                       "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale"},
+        optional_keys=GRANITE_SCALES,
         tensor_flags={"attention_bias": "attn_q.bias", "mlp_bias": "ffn_up.bias"},
         transforms=LLAMA_ROPE_UNPERMUTE,
+    ),
+    # Llama's layout; llama.cpp hard-codes a NoPE layer every 4th (n_no_rope_layer_step), stored nowhere.
+    "smollm3": ArchSpec(
+        hf_architecture="SmolLM3ForCausalLM",
+        model_type="smollm3",
+        layer_names=LLAMA_LAYER_NAMES,
+        config_constants={"hidden_act": "silu", "no_rope_layer_interval": 4},
+        tensor_flags={"attention_bias": "attn_q.bias", "mlp_bias": "ffn_up.bias"},
+        transforms=LLAMA_ROPE_UNPERMUTE,
+    ),
+    # q/k RMSNorm over the whole projection; llama.cpp does not renormalize the top-k (norm_topk_prob off).
+    "olmoe": ArchSpec(
+        hf_architecture="OlmoeForCausalLM",
+        model_type="olmoe",
+        layer_names={**LLAMA_LAYER_NAMES, **QK_NORM_NAMES, **MOE_NAMES},
+        config_constants={"hidden_act": "silu", "norm_topk_prob": False},
+        tensor_flags={"attention_bias": "attn_q.bias"},
+        extra_config=_olmoe_config,
+    ),
+    # The converter splits each layer's input_linear stack into ffn_gate_exps / ffn_up_exps.
+    "granitemoe": ArchSpec(
+        hf_architecture="GraniteMoeForCausalLM",
+        model_type="granitemoe",
+        layer_names={**LLAMA_LAYER_NAMES, **MOE_NAMES},
+        config_constants={"hidden_act": "silu"},
+        optional_keys=GRANITE_SCALES,
+        tensor_flags={"attention_bias": "attn_q.bias"},
+        transforms=LLAMA_ROPE_UNPERMUTE,
+        extra_config=_granite_moe_config,
     ),
     "command-r": ArchSpec(
         hf_architecture="CohereForCausalLM",
@@ -378,6 +638,111 @@ ARCHS: dict[str, ArchSpec] = {
         head_dim_keys=("attention.key_length",),
         tensor_flags={"attention_bias": "attn_q.bias"},
         extra_config=_glm4_config,
+    ),
+    "deepseek2": ArchSpec(
+        hf_architecture="DeepseekV2ForCausalLM",
+        model_type="deepseek_v2",
+        layer_names=DEEPSEEK2_LAYER_NAMES,
+        config_constants={"hidden_act": "silu"},
+        head_dim_keys=("rope.dimension_count",),  # transformers' head_dim: the rope part
+        tensor_flags={"e_score_correction_bias": "exp_probs_b.bias"},  # read and dropped by _deepseek2_config
+        extra_config=_deepseek2_config,
+    ),
+    # Post-norms only (OLMo 2's block), per-head q/k norm; neox rope, so no row permutation.
+    "exaone4": ArchSpec(
+        hf_architecture="Exaone4ForCausalLM",
+        model_type="exaone4",
+        layer_names={**ATTENTION_NAMES, **QK_NORM_NAMES, **MLP_NAMES,
+                     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+        config_constants={"hidden_act": "silu"},
+        head_dim_keys=("attention.key_length",),
+        config_tensors=frozenset({"rope_freqs.weight"}),
+        extra_config=_exaone4_config,
+    ),
+    # The converter names the pre-MLP norm post_attention_norm; o_proj's bias is its own switch.
+    "seed_oss": ArchSpec(
+        hf_architecture="SeedOssForCausalLM",
+        model_type="seed_oss",
+        layer_names={**LLAMA_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"},
+        config_constants={"hidden_act": "silu"},
+        head_dim_keys=("attention.key_length",),
+        tensor_flags={"attention_bias": "attn_q.bias", "attention_out_bias": "attn_output.bias"},
+    ),
+    # Interleaved rope in both HF and llama.cpp: no permutation. use_bias covers every projection.
+    "ernie4_5-moe": ArchSpec(
+        hf_architecture="Ernie4_5_MoeForCausalLM",
+        model_type="ernie4_5_moe",
+        layer_names={**LLAMA_LAYER_NAMES, **MOE_NAMES, **SHARED_EXPERTS_NAMES,
+                     "exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias"},
+        config_constants={"hidden_act": "silu"},
+        tensor_flags={"use_bias": "attn_q.bias"},
+        extra_config=_ernie45_moe_config,
+    ),
+    "glm4moe": ArchSpec(
+        hf_architecture="Glm4MoeForCausalLM",
+        model_type="glm4_moe",
+        layer_names={**ATTENTION_NAMES, **QK_NORM_NAMES, **MLP_NAMES, **MOE_NAMES, **SHARED_EXPERTS_NAMES,
+                     "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},
+        config_constants={"hidden_act": "silu"},
+        head_dim_keys=("attention.key_length",),
+        tensor_flags={"attention_bias": "attn_q.bias", "use_qk_norm": "attn_q_norm.weight"},
+        extra_config=_glm4_moe_config,
+    ),
+    # HF's feed_forward.* under Llama's GGUF names; interleaved rope already (the converter does not permute).
+    "llama4": ArchSpec(
+        hf_architecture="Llama4ForCausalLM",
+        model_type="llama4_text",
+        layer_names={**LLAMA_LAYER_NAMES, **MOE_NAMES, **SHARED_EXPERT_NAMES},
+        config_constants={"hidden_act": "silu"},
+        optional_keys={},
+        config_tensors=frozenset({"rope_freqs.weight"}),
+        extra_config=_llama4_config,
+    ),
+    # The converter splits gate_up_proj's interleaved rows (and bias) into ffn_gate_exps / ffn_up_exps
+    # [E, I, H] (MXFP4 when the checkpoint's experts are); sinks are attn_sinks.weight.
+    "gpt-oss": ArchSpec(
+        hf_architecture="GptOssForCausalLM",
+        model_type="gpt_oss",
+        layer_names={**ATTENTION_NAMES, **MOE_NAMES, "attn_norm": "input_layernorm",
+                     "post_attention_norm": "post_attention_layernorm", "attn_sinks.weight": "self_attn.sinks"},
+        config_constants={"hidden_act": "silu"},
+        head_dim_keys=("attention.key_length",),
+        tensor_flags={"attention_bias": "attn_q.bias"},
+        extra_config=_gpt_oss_config,
+    ),
+    "mamba2": ArchSpec(
+        hf_architecture="Mamba2ForCausalLM",
+        model_type="mamba2",
+        layer_names={"attn_norm": "norm", **ssm_names("mixer")},
+        config_constants={"hidden_act": "silu"},
+        head_dim_keys=(),
+        tensor_flags={"use_bias": "ssm_in.bias", "use_conv_bias": "ssm_conv1d.bias"},
+        transforms=SSM_TRANSFORMS,
+        extra_config=_mamba2_config,
+    ),
+    "granitehybrid": ArchSpec(
+        hf_architecture="GraniteMoeHybridForCausalLM",
+        model_type="granitemoehybrid",
+        layer_names=GRANITE_HYBRID_LAYER_NAMES,
+        config_constants={"hidden_act": "silu"},
+        optional_keys=GRANITE_SCALES,
+        head_dim_keys=("attention.key_length",),  # Bamba's rope.dimension_count is the rotated half
+        tensor_flags={"attention_bias": "attn_q.bias", "mamba_conv_bias": "ssm_conv1d.bias",
+                      "mamba_proj_bias": "ssm_in.bias"},
+        transforms={**LLAMA_ROPE_UNPERMUTE, **SSM_TRANSFORMS},
+        extra_config=_granite_hybrid_config,
+    ),
+    "lfm2": ArchSpec(
+        hf_architecture="Lfm2ForCausalLM",
+        model_type="lfm2",
+        layer_names=LFM2_LAYER_NAMES,
+        global_names={**GLOBAL_NAMES, "token_embd_norm": "model.embedding_norm"},
+        config_constants={"hidden_act": "silu"},
+        head_dim_keys=("attention.key_length",),
+        tensor_flags={"conv_bias": "shortconv.conv.bias"},
+        transforms={"shortconv.conv.weight": ChannelConv()},
+        extra_config=_lfm2_config,
     ),
 }
 

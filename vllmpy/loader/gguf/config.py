@@ -43,7 +43,7 @@ def build_config(spec: ArchSpec, meta: ArchMetadata, shapes: Mapping[str, tuple[
     for hf_key, suffix in REQUIRED_INT_KEYS.items():
         config[hf_key] = meta.integer(suffix)
     heads = config["num_attention_heads"]
-    config["num_key_value_heads"] = meta.integer("attention.head_count_kv", heads)
+    config["num_key_value_heads"] = _kv_heads(meta, heads)
     config["head_dim"] = _head_dim(spec, meta, config)
     eps_key, eps_suffix = spec.norm_eps
     config[eps_key] = meta.number(eps_suffix)
@@ -64,11 +64,21 @@ def build_config(spec: ArchSpec, meta: ArchMetadata, shapes: Mapping[str, tuple[
     return config
 
 
-def _head_dim(spec: ArchSpec, meta: ArchMetadata, config: dict) -> int:
+def _kv_heads(meta: ArchMetadata, heads: int) -> int:
+    """Hybrids' converters state head_count_kv per layer (0 on recurrent layers): the attention layers' count."""
+    per_layer = meta.raw("attention.head_count_kv")
+    if isinstance(per_layer, list):
+        return max(per_layer, default=0)
+    return meta.integer("attention.head_count_kv", heads)
+
+
+def _head_dim(spec: ArchSpec, meta: ArchMetadata, config: dict) -> int | None:
     for suffix in spec.head_dim_keys:
         if meta.has(suffix):
             return meta.integer(suffix)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if heads == 0 and not spec.head_dim_keys:  # attention-free (mamba2 states head_count 0)
+        return None
     if heads <= 0 or hidden % heads:
         raise UnsupportedCheckpointError(
             f"GGUF states no head size ({', '.join(meta.key(s) for s in spec.head_dim_keys)}) and "

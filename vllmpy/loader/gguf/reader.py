@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +21,12 @@ from vllmpy.loader.gguf.config import build_config
 from vllmpy.loader.gguf.file import GGUFTensor, read_gguf
 from vllmpy.loader.gguf.metadata import ArchMetadata
 from vllmpy.loader.gguf.names import hf_name
+from vllmpy.layers.moe import expert_name, is_expert_stack
 from vllmpy.layers.quantized import PackedTensor
-from vllmpy.loader.gguf.quant import check_type, hf_shape, to_packed, to_torch
+from vllmpy.loader.gguf.quant import check_type, hf_shape, to_packed, to_packed_stack, to_torch
 from vllmpy.loader.gguf.transforms import Transform
+
+_BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,16 @@ class GGUFCheckpoint:
         """(HF name, tensor in HF layout) pairs, each dequantized only when reached.
 
         keep_packed: 2-D block-quantized (and F16/BF16) tensors come as `PackedTensor`s over the file's
-        bytes instead, for the CPU kernels to compute on.
+        bytes instead, for the CPU kernels to compute on; an MoE expert stack as one per expert, under
+        the per-expert HF names (`experts.3.gate_proj.weight`).
         """
         for planned in self._plan:
             transform = planned.transform
+            stack = to_packed_stack(planned.tensor) if keep_packed and is_expert_stack(planned.name) else None
+            if stack is not None and transform is None:
+                for expert, part in enumerate(stack):
+                    yield expert_name(planned.name, expert), part
+                continue
             packed = to_packed(planned.tensor) if keep_packed else None
             if packed is not None and (transform is None or transform.rows_only):
                 if transform is not None:
@@ -107,7 +117,7 @@ def _read(path: str) -> tuple[dict[str, Any], dict[str, Any], list[_Planned]]:
 def _plan(arch: str, spec: ArchSpec, tensors: list[GGUFTensor], config: dict) -> list[_Planned]:
     plan = []
     for tensor in tensors:
-        if tensor.name in spec.config_tensors:
+        if tensor.name in spec.config_tensors or _is_mtp_block(tensor.name, config):
             continue
         name = hf_name(spec, tensor.name, config["num_hidden_layers"])
         if name is None:
@@ -120,3 +130,9 @@ def _plan(arch: str, spec: ArchSpec, tensors: list[GGUFTensor], config: dict) ->
         plan.append(_Planned(tensor, name.hf, transform))
     return plan
 
+
+def _is_mtp_block(name: str, config: dict) -> bool:
+    """A block llama.cpp's converter appends after the decoder for multi-token prediction (glm4moe's
+    nextn layers): not loaded, as the model skips the HF checkpoint's MTP layers."""
+    match = _BLOCK_INDEX.match(name)
+    return bool(config.get("num_nextn_predict_layers") and match and int(match[1]) >= config["num_hidden_layers"])

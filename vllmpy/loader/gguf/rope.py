@@ -43,6 +43,9 @@ def rope_scaling(meta: ArchMetadata, head_dim: int, rope_theta: float,
     for name, value in keys.items():
         if name in _IGNORED:
             continue
+        if kind == "yarn" and name == "yarn_log_multiplier":  # DeepSeek's 0.1 * mscale_all_dim (= mscale)
+            scaling["mscale"] = scaling["mscale_all_dim"] = value / 0.1
+            continue
         if name not in _KEYS[kind]:
             raise UnsupportedCheckpointError(
                 f"GGUF key {meta.key('rope.scaling.' + name)!r} is not supported with {kind} rope scaling")

@@ -70,3 +70,43 @@ class AsRow:
 
     def __call__(self, tensor: torch.Tensor, config: dict) -> torch.Tensor:
         return tensor.reshape(1, -1)
+
+
+@dataclass(frozen=True)
+class Flatten:
+    """llama.cpp's Mamba2 converter reshapes D to [heads, 1] and the mixer norm to [groups, inner / groups]."""
+
+    rows_only: bool = False
+
+    def check(self, name: str, shape: tuple[int, ...], config: dict) -> None:
+        return None
+
+    def __call__(self, tensor: torch.Tensor, config: dict) -> torch.Tensor:
+        return tensor.reshape(-1)
+
+
+@dataclass(frozen=True)
+class ChannelConv:
+    """Depthwise conv weights: the converter squeezes HF's [channels, 1, kernel] to [channels, kernel]."""
+
+    rows_only: bool = False
+
+    def check(self, name: str, shape: tuple[int, ...], config: dict) -> None:
+        if len(shape) not in (2, 3):
+            raise UnsupportedCheckpointError(f"tensor {name!r} has shape {shape}; expected [channels, kernel]")
+
+    def __call__(self, tensor: torch.Tensor, config: dict) -> torch.Tensor:
+        return tensor.reshape(tensor.shape[0], 1, tensor.shape[-1])
+
+
+@dataclass(frozen=True)
+class NegExpToLog:
+    """Mamba2's A: the converter stores A = -exp(A_log) as [heads, 1]; HF keeps A_log [heads]."""
+
+    rows_only: bool = False
+
+    def check(self, name: str, shape: tuple[int, ...], config: dict) -> None:
+        return None
+
+    def __call__(self, tensor: torch.Tensor, config: dict) -> torch.Tensor:
+        return torch.log(-tensor.double()).to(tensor.dtype).reshape(-1)

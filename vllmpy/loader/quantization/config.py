@@ -11,11 +11,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vllmpy.errors import UnsupportedCheckpointError
+from vllmpy.loader.quantization.mxfp4 import PROJECTIONS as MXFP4_PROJECTIONS
 from vllmpy.loader.safetensors import TensorInfo
 
 # Layouts: how a quantized module's tensors sit on disk (vllmpy/loader/quantization/formats.py reads each).
-GPTQ, AWQ, PACKED, NAIVE_INT, FP8 = "gptq", "awq", "pack-quantized", "int-quantized", "fp8"
-SUPPORTED_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")
+GPTQ, AWQ, PACKED, NAIVE_INT, FP8, MXFP4 = "gptq", "awq", "pack-quantized", "int-quantized", "fp8", "mxfp4"
+SUPPORTED_METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "mxfp4")
+# The keys an mxfp4 config may hold (openai/gpt-oss: quant_method, modules_to_not_convert; vLLM reads
+# ignored_layers; dequantize is a transformers load option): any other names a variant not read here.
+_MXFP4_FIELDS = ("quant_method", "modules_to_not_convert", "ignored_layers", "dequantize")
 _CT_FORMATS = {"pack-quantized": PACKED, "int-quantized": NAIVE_INT, "naive-quantized": NAIVE_INT,
                "float-quantized": FP8}
 # Modules nn.Linear never is: a compressed-tensors "Linear" target skips them.
@@ -109,6 +113,10 @@ class QuantConfig:
 
 
 def _is_under(module: str, name: str) -> bool:
+    """`name` is the module, a parent or a trailing part of it; a `*` matches one dotted part (gpt-oss's
+    `model.layers.*.self_attn`)."""
+    if "*" in name:
+        return re.match(re.escape(name).replace(r"\*", r"[^.]+") + r"(\.|$)", module) is not None
     return module == name or module.startswith(name + ".") or module.endswith("." + name)
 
 
@@ -135,6 +143,8 @@ def _is_linear(module: str, tensors: dict[str, TensorInfo]) -> bool:
 def _stores_quantized(module: str, layout: str, tensors: dict[str, TensorInfo]) -> bool:
     if layout in (GPTQ, AWQ):
         return f"{module}.qweight" in tensors
+    if layout == MXFP4:
+        return any(f"{module}.{proj}_blocks" in tensors for proj in MXFP4_PROJECTIONS)
     weight = tensors.get(f"{module}.weight")
     return weight is not None and weight.dtype.startswith("F8_")
 
@@ -150,6 +160,8 @@ def parse_quantization_config(config: dict) -> QuantConfig:
         return _fp8(config)
     if method == "compressed-tensors":
         return _compressed_tensors(config)
+    if method == "mxfp4":
+        return _mxfp4(config)
     raise _refuse("quant_method", config.get("quant_method"), ", ".join(SUPPORTED_METHODS))
 
 
@@ -185,6 +197,15 @@ def _fp8(config: dict) -> QuantConfig:
             raise _refuse("weight_block_size", block, "null or [rows, cols] with cols a multiple of 32")
         block = (block[0], block[1])
     return QuantConfig("fp8", [([], Scheme(FP8, block=block))],
+                       _names(config, "ignored_layers", "modules_to_not_convert"), by_targets=False)
+
+
+def _mxfp4(config: dict) -> QuantConfig:
+    """gpt-oss's MoE experts in MXFP4 (vllmpy/loader/quantization/mxfp4.py); everything else dense."""
+    for field in config:
+        if field not in _MXFP4_FIELDS:
+            raise _refuse(field, config[field], f"only the keys {', '.join(_MXFP4_FIELDS)}")
+    return QuantConfig("mxfp4", [([], Scheme(MXFP4, bits=4, group_size=32))],
                        _names(config, "ignored_layers", "modules_to_not_convert"), by_targets=False)
 
 

@@ -12,19 +12,23 @@ Layouts (w[o, i] = scale * (q - zero), codes unsigned in [0, 2^bits)):
 - compressed-tensors int-quantized: weight int8 [out, in], weight_scale, weight_zero_point int8.
 - fp8 / compressed-tensors float-quantized: weight float8_e4m3fn [out, in], weight_scale (or block-wise
   weight_scale_inv); input_scale (static activations) is read and not applied: activations stay float.
+- mxfp4 (gpt-oss): an MoE layer's `<experts>.<proj>_blocks` / `_scales` expert stacks (mxfp4.py).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.layers.quantized import PackedTensor
 from vllmpy.loader.quantization.blocks import IntWeight, pack_fp8, pack_int
-from vllmpy.loader.quantization.config import AWQ, FP8, GPTQ, NAIVE_INT, PACKED, Scheme
+from vllmpy.loader.quantization import mxfp4
+from vllmpy.loader.quantization.config import AWQ, FP8, GPTQ, MXFP4, NAIVE_INT, PACKED, Scheme
 
 Getter = Callable[[str], torch.Tensor]
+Read = TypeVar("Read")
 # AWQ's nibble n of a word holds output column _AWQ_ORDER[n]; column c sits in nibble _AWQ_REVERSE[c].
 _AWQ_REVERSE = [0, 4, 1, 5, 2, 6, 3, 7]
 # The tensors each layout stores for a module, beside the primary one (first).
@@ -34,6 +38,7 @@ COMPONENTS = {
     PACKED: ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
     NAIVE_INT: ("weight", "weight_scale", "weight_zero_point", "weight_g_idx", "input_scale", "input_zero_point"),
     FP8: ("weight", "weight_scale", "weight_scale_inv", "input_scale"),
+    MXFP4: mxfp4.COMPONENTS,
 }
 
 
@@ -136,11 +141,25 @@ READERS = {GPTQ: _gptq, AWQ: _awq, PACKED: _compressed, NAIVE_INT: _compressed, 
 
 def read_module(module: str, scheme: Scheme, get: Getter, has: Callable[[str], bool]) -> PackedTensor:
     """The module's weight as blocks; a missing tensor is refused by name."""
+    return _guarded(module, scheme, has, lambda: READERS[scheme.layout](module, scheme, get, has))
+
+
+def read_parts(module: str, scheme: Scheme, get: Getter,
+               has: Callable[[str], bool]) -> list[tuple[str, PackedTensor]]:
+    """The module's packed weights under their checkpoint names: `<module>.weight`, or (MXFP4) each expert's
+    projections of an MoE layer."""
+    if scheme.layout == MXFP4:
+        return _guarded(module, scheme, has, lambda: mxfp4.read_experts(module, get))
+    return [(f"{module}.weight", read_module(module, scheme, get, has))]
+
+
+def _guarded(module: str, scheme: Scheme, has: Callable[[str], bool], read: Callable[[], Read]) -> Read:
+    """read(), with a missing tensor refused by name."""
     primary = f"{module}.{COMPONENTS[scheme.layout][0]}"
     if not has(primary):
         raise UnsupportedCheckpointError(
             f"module {module!r} is quantized by the config ({scheme.layout}) but the checkpoint has no {primary!r}")
     try:
-        return READERS[scheme.layout](module, scheme, get, has)
+        return read()
     except KeyError as exc:
         raise UnsupportedCheckpointError(f"module {module!r} ({scheme.layout}): missing tensor {exc}") from None

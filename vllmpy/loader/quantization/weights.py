@@ -15,7 +15,7 @@ from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.layers.quantized import PackedTensor
 from vllmpy.loader.heap import return_freed_heap
 from vllmpy.loader.quantization.config import QuantConfig, Scheme
-from vllmpy.loader.quantization.formats import COMPONENTS, read_module
+from vllmpy.loader.quantization.formats import COMPONENTS, read_parts
 from vllmpy.loader.safetensors import TensorInfo, check_dtype, shard_files, tensor_index
 
 # Integer tensors of the layouts (codes, zero points, g_idx, shapes) and the fp8 codes.
@@ -79,9 +79,9 @@ class QuantizedSafetensors:
                     yield name, get(name).to(dtype)
                 elif module not in done:
                     done.add(module)
-                    packed = read_module(module, self.plan[module], get, self.index.__contains__)
+                    parts = read_parts(module, self.plan[module], get, self.index.__contains__)
                     return_freed_heap()
-                    yield f"{module}.weight", packed
+                    yield from parts
 
     def dense(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.iterate(dtype):

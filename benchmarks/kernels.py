@@ -1,0 +1,161 @@
+"""Microbenchmark of the packed-block matmul kernels on the default model's real weights: for each
+activation row count, each kernel that takes it (vq_matmul: integer row dots; vq_matmul_small: int16
+panels over weight rows; vq_matmul_tiled: float tiles over activation rows) timed in interleaved rounds
+(A, B, C, A, B, C, ...) so load on a shared machine hits every kernel alike; medians and spread of the
+per-round ratio to the small-batch kernel.
+
+    taskset -c 1 python benchmarks/kernels.py --threads 1 --rows 2 4 8 16 32 --reps 30
+
+--engine: the same question end to end, on the default model in one process: (A) at batch 16 the dispatch
+toggles every decode step between the former one (small-batch kernel off) and the current one, ratio of
+adjacent steps; (B) batch-1 and batch-16 decode runs alternate (prefix-cached 128-token prompts), per pair
+16 x t1 / t16 (batch-16 decode tok/s over batch-1) for each dispatch. With VLLMPY_PROFILE=1 the decode steps'
+phase breakdown per (dispatch, batch) follows.
+
+    OMP_NUM_THREADS=1 VLLMPY_PROFILE=1 taskset -c 1 python benchmarks/kernels.py --engine --pairs 20 --reps 12
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import vllmpy.layers.quantized as quantized
+from vllmpy import profiling
+from vllmpy.kernels import block_kernels
+from vllmpy.loader.default_model import default_model_path
+from vllmpy.loader.gguf.file import read_gguf
+from vllmpy.loader.gguf.quant import hf_shape
+
+# One layer's weights and the tied head: every block type the default model computes on.
+TENSORS = ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "blk.0.attn_v.weight",
+           "token_embd.weight")
+KERNELS = ("vq_matmul", "vq_matmul_small", "vq_matmul_tiled")
+
+
+def _weights(head_rows: int) -> list[tuple[str, int, torch.Tensor, tuple[int, int]]]:
+    """(name, ggml type, packed bytes, [rows, cols]) of TENSORS; the head cut to head_rows rows."""
+    _, tensors = read_gguf(default_model_path())
+    out = []
+    for tensor in tensors:
+        if tensor.name in TENSORS:
+            rows, cols = hf_shape(tensor)
+            data = torch.from_numpy(tensor.data.view("uint8").reshape(rows, -1).copy())
+            if tensor.name == "token_embd.weight":
+                rows, data = head_rows, data[:head_rows].contiguous()
+            out.append((tensor.name, int(tensor.tensor_type), data, (rows, cols)))
+    return out
+
+
+def _time(kernel: str, ggml_type: int, data: torch.Tensor, shape: tuple[int, int], x: torch.Tensor,
+          threads: int) -> float | None:
+    """Seconds of one call, or None where the kernel declines these rows / this build."""
+    y = torch.empty(x.shape[0], shape[0])
+    call = getattr(block_kernels(), kernel)
+    start = time.perf_counter()
+    done = call(ggml_type, data.data_ptr(), data.shape[1], shape[0], shape[1], x.data_ptr(), x.shape[0],
+                y.data_ptr(), shape[0], threads)
+    elapsed = time.perf_counter() - start
+    return None if done == 0 else elapsed
+
+
+def _use_small_kernel(on: bool) -> None:
+    """The current dispatch (small-batch kernel from 4 rows), or the former one (never)."""
+    quantized.SMALL_MIN_ROWS = 4 if on else quantized.SMALL_MAX_ROWS + 1
+
+
+def _spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):.2f}x (min {min(values):.2f}, max {max(values):.2f}, {len(values)})"
+
+
+def engine_ab(pairs: int, reps: int) -> None:
+    """(A) and (B) of the module docstring."""
+    from vllmpy import LLM, SamplingParams
+    from vllmpy.entrypoints.bench.prompts import random_token_prompts, usable_token_ids
+
+    llm = LLM(dtype="float32", max_model_len=1024, num_blocks=512)
+    core, prof = llm.engine.core, profiling.profile()
+    vocab = usable_token_ids(llm.get_tokenizer(), core.vocab_size)
+    prompts = [{"prompt_token_ids": ids} for ids in random_token_prompts(vocab, 16, 128, 1)]
+    run_state: dict = {}
+    inner = core.step
+
+    def step():  # times each step; the run's first (the prompts' last token) is left out of times and profiles
+        if run_state["toggle"]:
+            _use_small_kernel(run_state["index"] % 2 == 1)
+        prof.total = run_state["tally"] if run_state["index"] else profiling._Tally()
+        start = time.perf_counter()
+        result = inner()
+        run_state["times"].append((run_state["index"] % 2 == 1, time.perf_counter() - start))
+        run_state["index"] += 1
+        return result
+    core.step = step
+
+    def run(batch: int, tokens: int, tally: profiling._Tally | None = None, toggle: bool = False):
+        run_state.update(toggle=toggle, index=0, tally=tally or profiling._Tally(), times=[])
+        llm.generate(prompts[:batch], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+                     use_tqdm=False)
+        return run_state["times"][1:]
+
+    run(16, 2)  # the prompts into the prefix cache
+    steps = run(16, 2 * pairs + 3, toggle=True)[1:]  # from an old step: (old, new) pairs
+    old, new = [t for on, t in steps if not on], [t for on, t in steps if on]
+    print(f"(A) batch-16 decode step, former / current dispatch: {_spread([o / n for o, n in zip(old, new)])}")
+    tallies = {(on, b): profiling._Tally() for on in (False, True) for b in (1, 16)}
+    scaling: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(reps):
+        for on in (False, True):
+            _use_small_kernel(on)
+            t1 = statistics.median(t for _, t in run(1, 9, tallies[(on, 1)]))
+            t16 = statistics.median(t for _, t in run(16, 9, tallies[(on, 16)]))
+            scaling[on].append(16 * t1 / t16)
+    for on in (False, True):
+        print(f"(B) {'current' if on else 'former'} dispatch, batch-16 / batch-1 decode tok/s: {_spread(scaling[on])}")
+    if profiling.enabled():
+        for (on, batch), tally in tallies.items():
+            print(tally.report(f"{'current' if on else 'former'} dispatch, batch {batch} decode steps"))
+    prof.total = profiling._Tally()  # printed above: nothing more at exit
+    _use_small_kernel(True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 11, 16, 32])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--head-rows", type=int, default=16384, help="rows of the tied head to time (of 262144)")
+    parser.add_argument("--engine", action="store_true", help="the end-to-end A/B on the default model instead")
+    parser.add_argument("--pairs", type=int, default=20, help="--engine: (A)'s adjacent step pairs")
+    args = parser.parse_args()
+    if args.engine:
+        engine_ab(args.pairs, args.reps)
+        return
+    weights = _weights(args.head_rows)
+    print(f"{'tensor':24} {'type':>4} {'rows':>4}  " + "  ".join(f"{k + ' us':>18}" for k in KERNELS)
+          + "   ratios to vq_matmul_small (median, min-max)")
+    for name, ggml_type, data, shape in weights:
+        for m in args.rows:
+            x = torch.randn(m, shape[1])
+            times: dict[str, list[float]] = {k: [] for k in KERNELS}
+            for _ in range(args.reps + 1):  # the first round warms caches and is dropped below
+                for kernel in KERNELS:
+                    if m > 64 and kernel == "vq_matmul":
+                        continue
+                    t = _time(kernel, ggml_type, data, shape, x, args.threads)
+                    if t is not None:
+                        times[kernel].append(t)
+            times = {k: v[1:] for k, v in times.items()}
+            cells, ratios = [], []
+            for kernel in KERNELS:
+                cells.append(f"{statistics.median(times[kernel]) * 1e6:18.1f}" if times[kernel] else f"{'-':>18}")
+                if times[kernel] and times["vq_matmul_small"] and kernel != "vq_matmul_small":
+                    per_round = [a / b for a, b in zip(times[kernel], times["vq_matmul_small"])]
+                    ratios.append(f"{kernel}: {statistics.median(per_round):.2f}x "
+                                  f"({min(per_round):.2f}-{max(per_round):.2f})")
+            print(f"{name:24} {ggml_type:>4} {m:>4}  " + "  ".join(cells) + "   " + "; ".join(ratios))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""Tiny random-weight vision-language checkpoints (tower + projector + LM), saved by transformers with a
+real tokenizer, its processor files and a Gemma-style chat template; and test images."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+GEMMA3_IMAGE_TOKENS = 16  # 32x32 pixels, 4x4 patches -> an 8x8 grid pooled 2x2 -> 16 soft tokens
+# A Gemma 3 chat template cut down to what the tests render: text turns, images as <start_of_image>.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<start_of_image>{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def sample_image(width: int, height: int, seed: int) -> Image.Image:
+    """Smooth random colours (a noise image would be averaged away by the resize)."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)
+    return Image.fromarray(small).resize((width, height), Image.Resampling.BICUBIC)
+
+
+def make_tiny_gemma3_vlm(tokenizer_dir: str, out: Path):
+    """Gemma3ForConditionalGeneration: SigLIP 2 layers (hidden 32) on 32x32 images, 16 soft tokens per
+    image, a 4-layer LM with sliding window 8 (shorter than an image) alternating with global layers.
+    Returns (the transformers model, its Gemma3Processor)."""
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        Gemma3Processor,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    processor = Gemma3Processor(images, tokenizer, image_seq_length=GEMMA3_IMAGE_TOKENS,
+                                chat_template=CHAT_TEMPLATE)
+    text = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        # No final soft-cap: transformers' Gemma3ForConditionalGeneration does not apply it (vLLM and we do;
+        # real Gemma 3 checkpoints set none).
+        final_logit_softcapping=None, max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=32, patch_size=4, vision_use_head=False)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=GEMMA3_IMAGE_TOKENS, boi_token_index=tokenizer.boi_token_id,
+                          eoi_token_index=tokenizer.eoi_token_id, image_token_index=tokenizer.image_token_id)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # wide random weights; Gemma norms scale by (1 + w), SigLIP's LayerNorms by w
+        for name, p in model.named_parameters():
+            is_norm = re.search(r"norm", name) is not None
+            p.normal_(0.0, 0.3 if p.dim() == 1 or is_norm else 0.15)
+            if is_norm and name.endswith("weight") and "vision_tower" in name:
+                p.add_(1.0)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return model, processor
+
+
+def make_tiny_llava(tokenizer_dir: str, out: Path, tower: str = "clip"):
+    """LlavaForConditionalGeneration on a 3-layer Llama. tower "clip": CLIP (class token) read at layer -2,
+    "default" strategy (class token dropped); "siglip": SigLIP read at layers [1, -1] concatenated, "full".
+    32x32 images in 8x8 patches: 16 image tokens. Returns (the transformers model, its LlavaProcessor)."""
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        SiglipImageProcessorPil,
+        SiglipVisionConfig,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, extra_special_tokens={"image_token": "<image>"})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    vision_args = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                       image_size=32, patch_size=8)
+    if tower == "clip":
+        vision = CLIPVisionConfig(**vision_args)
+        images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        layer, strategy, extra = -2, "default", 1
+    else:
+        vision = SiglipVisionConfig(**vision_args, vision_use_head=False)
+        images = SiglipImageProcessorPil(size={"height": 32, "width": 32})
+        layer, strategy, extra = [1, -1], "full", 0
+    processor = LlavaProcessor(images, tokenizer, patch_size=8, vision_feature_select_strategy=strategy,
+                               num_additional_image_tokens=extra, chat_template=CHAT_TEMPLATE)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                         image_token_index=tokenizer.image_token_id, vision_feature_layer=layer,
+                         vision_feature_select_strategy=strategy)
+    return _save_random(LlavaForConditionalGeneration, config, processor, out)
+
+
+def mm_prompt(text: str, images: list) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": images}}
+
+
+def gate_vlm(llm, model, processor, cases: list[tuple[str, list]], max_tokens: int, label: str):
+    """Greedy `max_tokens` per (text, images) with vllmpy and with transformers on the processor's
+    inputs (pixel values, and token_type_ids where the processor makes them), compared as tests/gate.py.
+    The prompt token ids must equal the processor's."""
+    from tests.gate import GateResult, compare, reference_greedy
+    from vllmpy import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    result = GateResult()
+    outputs = llm.generate([mm_prompt(text, images) for text, images in cases], params, use_tqdm=False)
+    for (text, images), output in zip(cases, outputs):
+        ref = processor(text=[text], images=[images], return_tensors="pt")
+        assert output.prompt_token_ids == ref["input_ids"][0].tolist(), text
+        extra = {k: ref[k] for k in ("pixel_values", "token_type_ids", "image_sizes") if k in ref}
+        ref_tokens, ref_logits = reference_greedy(model, output.prompt_token_ids, max_tokens, **extra)
+        completion = output.outputs[0]
+        # compare() walks the shorter list: a failed request (no tokens) must not pass as strict
+        assert len(completion.token_ids) == max_tokens, (label, text, completion.finish_reason)
+        logprobs = [pos[t].logprob for pos, t in zip(completion.logprobs, completion.token_ids)]
+        compare(result, f"{label} {text!r}", completion.token_ids, logprobs, ref_tokens, ref_logits)
+    print(f"{label} {result.summary()}")
+    return result
+
+
+IDEFICS3_TILE_TOKENS = 16  # a 32x32 tile in 4x4 patches -> an 8x8 grid, pixel-shuffled by 2 -> 16 tokens
+
+
+def make_tiny_idefics3(tokenizer_dir: str, out: Path, smolvlm: bool = False):
+    """Idefics3ForConditionalGeneration (or, with `smolvlm`, SmolVLMForConditionalGeneration and its image
+    processor): SigLIP-style tower 2 layers (hidden 32) on 32x32 tiles, pixel shuffle 2, a 3-layer Llama;
+    images resized to a longest edge of 96 and split into up to 3x3 tiles plus the global image. Returns
+    (the transformers model, its Idefics3Processor: SmolVLMProcessor writes the same image prompt but
+    needs num2words and a torchvision video processor)."""
+    import transformers
+    from transformers import AutoTokenizer, Idefics3Processor, Idefics3VisionConfig, LlamaConfig
+
+    family = "SmolVLM" if smolvlm else "Idefics3"
+    grid = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *grid]})
+    images = getattr(transformers, f"{family}ImageProcessorPil")(size={"longest_edge": 96},
+                                                                 max_image_size={"longest_edge": 32})
+    processor = Idefics3Processor(images, tokenizer, image_seq_len=IDEFICS3_TILE_TOKENS)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=32, patch_size=4)
+    config = getattr(transformers, f"{family}Config")(
+        vision_config=vision.to_dict(), text_config=text.to_dict(), scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
+    return _save_random(getattr(transformers, f"{family}ForConditionalGeneration"), config, processor, out)
+
+
+def _save_random(model_class, config, processor, out: Path):
+    """The model with wide random weights (greedy steps are decided; every norm here scales by w), saved
+    with its processor. Returns (model, processor)."""
+    config.architectures = [model_class.__name__]
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_norm = re.search(r"norm", name) is not None
+            p.normal_(0.0, 0.3 if p.dim() == 1 or is_norm else 0.15)
+            if is_norm and name.endswith("weight"):
+                p.add_(1.0)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return model, processor
+
+
+def make_tiny_mistral3(tokenizer_dir: str, out: Path):
+    """Mistral3ForConditionalGeneration: a Pixtral tower 2 layers (hidden 32, 2-D rotary) on 4x4 patches,
+    2x2 patch merger, a 3-layer Mistral LM; images keep their size up to a longest edge of 64, rounded up
+    to whole 8-pixel merged patches. Returns (the transformers model, its PixtralProcessor)."""
+    from transformers import (
+        AutoTokenizer,
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        MistralConfig,
+        PixtralImageProcessorPil,
+        PixtralVisionConfig,
+    )
+
+    PixtralProcessor = _pixtral_processor_class()
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
+    images = PixtralImageProcessorPil(size={"longest_edge": 64}, patch_size={"height": 4, "width": 4})
+    processor = PixtralProcessor(images, tokenizer, patch_size=4, spatial_merge_size=2)
+    text = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         sliding_window=None, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 image_size=64, patch_size=4)
+    config = Mistral3Config(vision_config=vision.to_dict(), text_config=text.to_dict(), spatial_merge_size=2,
+                            image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False)
+    return _save_random(Mistral3ForConditionalGeneration, config, processor, out)
+
+
+def _pixtral_processor_class():
+    """transformers' PixtralProcessor without torchvision. Its module imports torchvision only for the
+    torchvision image processor's module, which it reads one pure-math helper from; PyPI's torchvision
+    wheels need a CUDA torch, so the import is satisfied by empty modules for that one import (transformers'
+    own backend checks ran before and still say torchvision is absent). The processor then runs on
+    PixtralImageProcessorPil."""
+    import importlib.machinery
+    import sys
+    import types
+
+    import transformers.image_processing_backends  # noqa: F401  (their torchvision checks run first)
+    import transformers.processing_utils  # noqa: F401
+
+    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+             "torchvision.transforms.v2.functional")
+    if "torchvision" in sys.modules:
+        from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+        return PixtralProcessor
+    stubs = {}
+    for name in names:
+        stubs[name] = types.ModuleType(name)
+        stubs[name].__spec__ = importlib.machinery.ModuleSpec(name, None)
+    stubs["torchvision.transforms.v2"].functional = stubs["torchvision.transforms.v2.functional"]
+    sys.modules.update(stubs)
+    try:
+        from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+    return PixtralProcessor
+
+
+def assert_gate(gate_report, llm, model, processor, cases: list[tuple[str, list]], max_tokens: int, label: str,
+                description: str) -> None:
+    """gate_vlm, recorded for the report; every case strict or a near-tie."""
+    result = gate_vlm(llm, model, processor, cases, max_tokens, label)
+    gate_report(label, result, description, len(cases))
+    assert not result.failures, "\n".join(result.failures)
+    assert result.strict + result.near_tie == len(cases)
+
+
+def agree_batched_and_chunked(make_llm, prompts: list[dict], chunked: dict, label: str, max_tokens: int = 12) -> None:
+    """Greedy tokens and logprobs of each prompt alone equal the batch's, and the batch's under the engine
+    arguments `chunked` (chunks ending inside image spans, a small encoder budget)."""
+    from tests.models.test_batch_invariance import _agree
+    from vllmpy import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+
+    def run(llm, batch):
+        outputs = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(batch, params, use_tqdm=False)]
+        assert all(len(tokens) == max_tokens for tokens, _ in outputs)  # no request failed
+        return outputs
+
+    alone_llm = make_llm(enable_prefix_caching=False)
+    alone = [run(alone_llm, [prompt])[0] for prompt in prompts]
+    _agree(alone, run(make_llm(), prompts), "batched")
+    _agree(alone, run(make_llm(**chunked), prompts), label)

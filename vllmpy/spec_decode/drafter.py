@@ -1,0 +1,129 @@
+"""The scheduler's side of speculation: how many drafts each running request gets this step, and the
+acceptance counts (vLLM's spec_decode metrics) once the runner has verified them.
+
+Drafting is adaptive, so text the proposer cannot predict costs little: each request keeps an exponential
+moving average of its acceptance rate and drafts ceil(k x average) tokens (every draft adds a query row and
+a logits row to verify); when the average falls below LOW_ACCEPTANCE the request stops drafting for a pause
+that doubles each time it happens again (up to MAX_PAUSE steps), then probes with one draft.
+Above `disable_by_batch_size` running requests nobody drafts: the step is then compute-bound and the
+extra query tokens cost more than the forwards they save.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from vllmpy.engine.kv_cache_spec import FullAttentionSpec, KVCacheLayout, SlidingWindowSpec
+from vllmpy.spec_decode.config import SpeculativeConfig
+from vllmpy.spec_decode.proposer import Proposer
+
+# Chosen, not tuned. Measured on the (heavily shared) 2-core host, default model, batch 1: a verification
+# step with 5 drafts cost 2.5-2.9 plain decode steps (its 6 logits rows over a 262k vocabulary weigh), so a
+# request must keep about 1 draft in 3 to gain; with these settings all-wrong drafts cost 0.96x spec-off.
+EMA_WEIGHT = 0.5  # weight of the latest step in the acceptance average
+LOW_ACCEPTANCE = 0.2
+FIRST_PAUSE = 4  # steps
+MAX_PAUSE = 64
+
+logger = logging.getLogger("vllmpy")
+
+
+@dataclass
+class SpecDecodeStats:
+    """Totals since start, vLLM's definitions: a draft is one (request, step) that carried draft tokens;
+    accepted tokens exclude the bonus token, so 1 + accepted / drafts is the mean acceptance length."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafts accepted at position i
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+@dataclass
+class _RequestSpec:
+    ema: float = 1.0  # optimistic: a new request drafts
+    pause: int = 0  # steps left without drafting
+    next_pause: int = FIRST_PAUSE
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._requests: dict[str, _RequestSpec] = {}
+
+    def enabled_for(self, num_running: int) -> bool:
+        return num_running <= self.config.disable_by_batch_size
+
+    def propose(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, max_drafts: int) -> list[int]:
+        """Up to min(k, max_drafts) draft tokens to follow the request's verified `token_ids`."""
+        state = self._requests.setdefault(req_id, _RequestSpec())
+        if state.pause > 0:
+            state.pause -= 1
+            return []
+        k = min(math.ceil(self.config.num_speculative_tokens * state.ema), max_drafts)
+        if k <= 0:
+            return []
+        return list(self.proposer.propose(req_id, token_ids, num_prompt_tokens, k))[:k]
+
+    def record(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
+        """The verifier kept `num_accepted` of the request's `num_drafted` drafts this step."""
+        if num_drafted == 0:
+            return
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafted
+        stats.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            stats.accepted_per_pos[pos] += 1
+        state = self._requests.setdefault(req_id, _RequestSpec())
+        state.ema = (1 - EMA_WEIGHT) * state.ema + EMA_WEIGHT * num_accepted / num_drafted
+        if state.ema < LOW_ACCEPTANCE:
+            state.pause, state.next_pause = state.next_pause, min(2 * state.next_pause, MAX_PAUSE)
+            state.ema = LOW_ACCEPTANCE  # the probe after the pause starts at the threshold: one bad step pauses again
+
+    def finish(self, req_id: str, token_ids: list[int], num_prompt_tokens: int) -> None:
+        self._requests.pop(req_id, None)
+        self.proposer.on_request_finished(req_id, token_ids, num_prompt_tokens)
+
+
+def build_drafter(config: SpeculativeConfig | None, layout: KVCacheLayout, task: str) -> Drafter | None:
+    """The engine's drafter, or None with speculation off; refuses models whose state cannot roll back."""
+    if config is None:
+        return None
+    if task != "generate":
+        raise ValueError(f"--speculative-config: this engine's task is {task!r}; speculation only applies to "
+                         f"text generation (task 'generate')")
+    if layout.recurrent:
+        raise ValueError("--speculative-config: this model has recurrent (Mamba / delta-rule) layers, whose state "
+                         "cannot be rolled back past rejected drafts yet; start it without speculation")
+    other = sorted({type(group.spec).__name__ for group in layout.groups
+                    if not isinstance(group.spec, (FullAttentionSpec, SlidingWindowSpec))})
+    if other:
+        raise ValueError(f"--speculative-config: KV cache kind {other[0]} is not verified under speculation yet "
+                         f"(full and sliding-window attention are); start it without speculation")
+    drafter = Drafter(config, make_proposer(config))
+    logger.info("speculative decoding: %s", config.describe())
+    return drafter
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer the config names (imported on use: a method's code loads only when chosen)."""
+    if config.method == "ngram":
+        from vllmpy.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    from vllmpy.spec_decode.suffix import SuffixProposer
+
+    return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                          config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
