@@ -31,15 +31,16 @@ def _outputs(llm, prompts=PROMPTS):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, _params(), use_tqdm=False)]
 
 
-def _agree(reference, other, label: str) -> int:
-    """Count strict matches; a divergence must be a near-tie of the reference. Returns near-ties."""
+def _agree(reference, other, label: str, gap_bound: float = NEAR_TIE_GAP) -> int:
+    """Count strict matches; a divergence must be a near-tie of the reference (top-2 gap under gap_bound).
+    Returns near-ties."""
     near = 0
     for i, ((ref_tokens, ref_lps), (tokens, _)) in enumerate(zip(reference, other)):
         for step, (a, b) in enumerate(zip(ref_tokens, tokens)):
             if a != b:
                 top = sorted((lp.logprob for lp in ref_lps[step].values()), reverse=True)
                 gap = top[0] - top[1]
-                assert gap < NEAR_TIE_GAP, f"{label}: prompt {i} step {step}: {a} vs {b}, top-2 gap {gap:.2e}"
+                assert gap < gap_bound, f"{label}: prompt {i} step {step}: {a} vs {b}, top-2 gap {gap:.2e}"
                 near += 1
                 break
     print(f"{label}: strict={len(reference) - near} near_tie={near}")
@@ -74,26 +75,26 @@ def _record_chunks(llm) -> list:
     return chunks
 
 
-def _check_batched_and_chunked(llm, one_at_a_time, budget: int) -> None:
+def _check_batched_and_chunked(llm, one_at_a_time, budget: int, gap_bound: float = NEAR_TIE_GAP) -> None:
     """(b) all prompts in one batch, (c) prompts prefilled in chunks of `budget` tokens beside decodes."""
     _reschedule(llm, enable_prefix_caching=False)
-    _agree(one_at_a_time, _outputs(llm), "(b) all together")
+    _agree(one_at_a_time, _outputs(llm), "(b) all together", gap_bound)
 
     _reschedule(llm, enable_prefix_caching=False, max_num_batched_tokens=budget)
     chunks = _record_chunks(llm)
-    _agree(one_at_a_time, _outputs(llm), f"(c) max_num_batched_tokens={budget}")
+    _agree(one_at_a_time, _outputs(llm), f"(c) max_num_batched_tokens={budget}", gap_bound)
     assert any(c.start_pos > 0 and len(c.token_ids) > 1 for c in chunks), "no prompt was prefilled in chunks"
     assert any(len(c.token_ids) == 1 for c in chunks[:40]), "no decode ran beside a chunked prefill"
 
 
-def _check_invariance(llm) -> None:
+def _check_invariance(llm, gap_bound: float = NEAR_TIE_GAP) -> None:
     one_at_a_time = [_outputs(llm, [p])[0] for p in PROMPTS]  # (a)
-    _check_batched_and_chunked(llm, one_at_a_time, 16)
+    _check_batched_and_chunked(llm, one_at_a_time, 16, gap_bound)
 
     scheduler = _reschedule(llm, enable_prefix_caching=True)
-    _agree(one_at_a_time, _outputs(llm), "(d) prefix cache, cold")
+    _agree(one_at_a_time, _outputs(llm), "(d) prefix cache, cold", gap_bound)
     hits_before = scheduler.stats().prefix_cache_hits
-    _agree(one_at_a_time, _outputs(llm), "(d) prefix cache, warm")
+    _agree(one_at_a_time, _outputs(llm), "(d) prefix cache, warm", gap_bound)
     assert scheduler.stats().prefix_cache_hits > hits_before, "the second run did not hit the prefix cache"
 
     # The smallest pool that holds one full-length sequence; where a window's share shrinks with the
@@ -103,7 +104,7 @@ def _check_invariance(llm) -> None:
     chunk = min((default_chunk, 16), key=lambda c: layout.blocks_per_request(MAX_MODEL_LEN, c))
     scheduler = _reschedule(llm, num_blocks=layout.blocks_per_request(MAX_MODEL_LEN, chunk),
                             enable_prefix_caching=False, max_num_batched_tokens=chunk)
-    _agree(one_at_a_time, _outputs(llm), "(e) tiny pool")
+    _agree(one_at_a_time, _outputs(llm), "(e) tiny pool", gap_bound)
     assert scheduler.stats().num_preemptions > 0, "the tiny pool caused no preemption"
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
 
@@ -119,7 +120,7 @@ def _check_invariance(llm) -> None:
     while engine.has_unfinished_requests():
         results.update({o.request_id: o for o in engine.step() if o.finished})
     late = [(results[f"f{i}"].outputs[0].token_ids, None) for i in range(len(PROMPTS))]
-    _agree(one_at_a_time, late, "(f) arriving while others decode")
+    _agree(one_at_a_time, late, "(f) arriving while others decode", gap_bound)
 
 
 def test_batch_invariance_tiny_model(smollm2_tokenizer_dir, tmp_path):
@@ -160,7 +161,13 @@ def test_batch_invariance_sliding_window(arch, smollm2_tokenizer_dir, tmp_path):
     _check_window_reclaimed(llm)
 
 
+# The default model's packed weights: a row computed alone and in a batch of 4-32 rows take different
+# kernels (the small-batch kernel rounds activations to int16 per 32-block), which moves its logits by up to
+# ~1e-3 (measured: 9e-4 in a SmolLM2 GGUF logprob); a divergence at a top-2 gap under that is a near-tie, not a bug.
+PACKED_NEAR_TIE_GAP = 1e-3
+
+
 def test_batch_invariance_default_model():
     from vllmpy import LLM
 
-    _check_invariance(LLM(dtype="float32", max_model_len=MAX_MODEL_LEN, num_blocks=256))
+    _check_invariance(LLM(dtype="float32", max_model_len=MAX_MODEL_LEN, num_blocks=256), PACKED_NEAR_TIE_GAP)
