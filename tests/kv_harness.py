@@ -1,7 +1,8 @@
 """Scheduler/KV-cache test harness: KV cache configs, and a fake runner that checks every block table.
 
 The fake runner keeps a simulated paged KV cache (one token per slot, tagged with the group that wrote
-it: groups share the pool, so a block held by two groups at once shows up) and, for every chunk, reads
+it: groups share the pool, so a block held by two groups at once shows up) and each request's block
+tables, built from the chunks' new_block_ids as the real runner builds them; for every chunk it reads
 back each group's keys that the chunk's queries can see: the whole context for full attention, the
 last `window` positions before each query for a sliding window. A wrong block table, a shared block
 overwritten, an evicted block still in use, or a window's block freed too early is a mismatch.
@@ -63,15 +64,21 @@ class FakeRunner:
         self.slots: dict[tuple[int, int], tuple[int, int]] = {}  # (block id, offset) -> (group, token id)
         self.tokens: dict[str, list[int]] = {}  # what the runner believes each request's tokens are
         self.num_computed: dict[str, int] = {}
+        self.tables: dict[str, list[list[int]]] = {}  # per request, each group's table from the deltas
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             self.tokens.pop(req_id, None)
             self.num_computed.pop(req_id, None)
+            self.tables.pop(req_id, None)
         new_ids = set()
         for new in out.new_requests:
             self.tokens[new.req_id] = new.prompt_token_ids + new.output_token_ids
+            self.tables[new.req_id] = [[] for _ in self.windows]
             new_ids.add(new.req_id)
+        for req_id, num_blocks in out.trimmed_blocks.items():
+            for table in self.tables.get(req_id, ()):
+                del table[num_blocks:]
         sampled = []
         for chunk in out.chunks:
             # The runner's tokens, then the chunk's drafts (speculative decoding) while this step runs.
@@ -82,8 +89,10 @@ class FakeRunner:
             assert chunk.start_pos == self.num_computed[chunk.req_id]
             end = chunk.start_pos + len(chunk.token_ids)
             assert chunk.token_ids == tokens[chunk.start_pos:end]
-            assert len(chunk.block_ids) == len(self.windows)
-            for group, (table, window) in enumerate(zip(chunk.block_ids, self.windows)):
+            assert len(chunk.new_block_ids) == len(self.windows)
+            for table, added in zip(self.tables[chunk.req_id], chunk.new_block_ids):
+                table.extend(added)
+            for group, (table, window) in enumerate(zip(self.tables[chunk.req_id], self.windows)):
                 assert len(table) * self.block_size >= end
                 for pos in range(chunk.start_pos, end):
                     self.slots[self.slot(table, pos)] = (group, tokens[pos])

@@ -141,6 +141,20 @@ def _configs(vocab: int) -> dict:
     }
 
 
+def randomize(model: torch.nn.Module, one_plus_norms: bool = False) -> None:
+    """Wider than the default init so logits are far from uniform; norms near 1 (near 0 where they scale
+    by 1 + w); a routing bias that chooses (saved as zeros it would choose nothing)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_norm = re.search(r"norm|\.ln_", name) is not None
+            p.normal_(0.0, 0.3 if p.dim() == 1 or is_norm else 0.15)
+            if is_norm and name.endswith("weight") and not one_plus_norms:
+                p.add_(1.0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.2)
+
+
 def make_tiny_checkpoint(arch: str, tokenizer_dir: str, out: Path,
                          make_config: Callable[[int], Any] | None = None) -> torch.nn.Module:
     """Save a random-weight `arch` with the tokenizer's files into `out`; return the transformers model.
@@ -154,15 +168,7 @@ def make_tiny_checkpoint(arch: str, tokenizer_dir: str, out: Path,
     torch.manual_seed(0)
     config.architectures = [arch.split("/")[0]]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # wider than the default init so logits are far from uniform
-        for name, p in model.named_parameters():
-            is_norm = re.search(r"norm|\.ln_", name) is not None
-            p.normal_(0.0, 0.3 if p.dim() == 1 or is_norm else 0.15)
-            if is_norm and name.endswith("weight") and arch not in _ONE_PLUS_NORMS:
-                p.add_(1.0)
-        for name, buffer in model.named_buffers():  # a routing bias saved as zeros would choose nothing
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.2)
+    randomize(model, one_plus_norms=arch in _ONE_PLUS_NORMS)
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         src = f"{tokenizer_dir}/{name}"

@@ -25,26 +25,25 @@ def sample_image(width: int, height: int, seed: int) -> Image.Image:
     return Image.fromarray(small).resize((width, height), Image.Resampling.BICUBIC)
 
 
+def gemma3_processor(tokenizer_dir: str, image_size: int, image_tokens: int, chat_template: str | None = None):
+    """Gemma3Processor (PIL backend) on the test tokenizer with Gemma 3's image tokens added."""
+    from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    tokenizer.chat_template = chat_template
+    images = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
+    return Gemma3Processor(images, tokenizer, image_seq_length=image_tokens, chat_template=chat_template)
+
+
 def make_tiny_gemma3_vlm(tokenizer_dir: str, out: Path):
     """Gemma3ForConditionalGeneration: SigLIP 2 layers (hidden 32) on 32x32 images, 16 soft tokens per
     image, a 4-layer LM with sliding window 8 (shorter than an image) alternating with global layers.
     Returns (the transformers model, its Gemma3Processor)."""
-    from transformers import (
-        AutoTokenizer,
-        Gemma3Config,
-        Gemma3ForConditionalGeneration,
-        Gemma3ImageProcessorPil,
-        Gemma3Processor,
-        Gemma3TextConfig,
-        SiglipVisionConfig,
-    )
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, extra_special_tokens={
-        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
-    processor = Gemma3Processor(images, tokenizer, image_seq_length=GEMMA3_IMAGE_TOKENS,
-                                chat_template=CHAT_TEMPLATE)
+    processor = gemma3_processor(tokenizer_dir, 32, GEMMA3_IMAGE_TOKENS, CHAT_TEMPLATE)
+    tokenizer = processor.tokenizer
     text = Gemma3TextConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
@@ -128,7 +127,9 @@ def gate_vlm(llm, model, processor, cases: list[tuple[str, list]], max_tokens: i
     for (text, images), output in zip(cases, outputs):
         ref = processor(text=[text], images=[images], return_tensors="pt")
         assert output.prompt_token_ids == ref["input_ids"][0].tolist(), text
-        extra = {k: ref[k] for k in ("pixel_values", "token_type_ids", "image_sizes") if k in ref}
+        keys = ("pixel_values", "token_type_ids", "image_sizes") + (
+            ("image_grid_thw", "mm_token_type_ids") if "image_grid_thw" in ref else ())  # Qwen-VL's M-RoPE inputs
+        extra = {k: ref[k] for k in keys if k in ref}
         ref_tokens, ref_logits = reference_greedy(model, output.prompt_token_ids, max_tokens, **extra)
         completion = output.outputs[0]
         # compare() walks the shorter list: a failed request (no tokens) must not pass as strict
@@ -275,3 +276,80 @@ def agree_batched_and_chunked(make_llm, prompts: list[dict], chunked: dict, labe
     alone = [run(alone_llm, [prompt])[0] for prompt in prompts]
     _agree(alone, run(make_llm(), prompts), "batched")
     _agree(alone, run(make_llm(**chunked), prompts), label)
+
+
+# A Qwen chat template cut down to what the tests render: images as <|vision_start|><|image_pad|><|vision_end|>.
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+QWEN_VL_FAMILIES = ("Qwen2_5_VL", "Qwen3VL")
+QWEN3_5_FAMILIES = ("Qwen3_5", "Qwen3_5Moe")
+
+
+def _qwen3_5_text(family: str) -> dict:
+    """Qwen3.5's real layer pattern (3 Gated DeltaNet layers, then gated full attention; value heads 4 / key
+    heads 2) with partial rotary 0.25 of head_dim 64: interleaved M-RoPE over 8 frequencies, sections 3/3/2
+    (as 11/11/10 of 32 in the released models). Qwen3.5-MoE: every layer 4 experts top-2 + a shared expert.
+    max_position_embeddings 512: the gate's 64-block pools then hold a whole sequence and the recurrent states."""
+    text = dict(num_hidden_layers=4, head_dim=64, max_position_embeddings=512, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [3, 3, 2], "mrope_interleaved": True})
+    if family == "Qwen3_5Moe":
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    return text
+
+
+def make_tiny_qwen_vl(tokenizer_dir: str, out: Path, family: str):
+    """Qwen2_5_VLForConditionalGeneration or Qwen3VLForConditionalGeneration: a 2-block tower (hidden 32)
+    on 4x4 patches merged 2x2, a 2-layer LM (hidden 64) with M-RoPE; images smart-resized to 8-pixel
+    multiples within [256, 4096] pixels. Qwen2.5-VL: windows of 2x2 merged patches with block 1 full;
+    Qwen3-VL: a learned 8x8 position table (interpolated) and deepstack features from block 0; Qwen3.5 /
+    Qwen3.5-MoE (QWEN3_5_FAMILIES): that tower without DeepStack on a 4-layer hybrid LM. Returns
+    (the transformers model, its processor on Qwen2VLImageProcessorPil: the image processor transformers
+    picks for these files without torchvision)."""
+    import transformers
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>"]})
+    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "vision_end",
+                                                                             "image_pad", "video_pad")}
+    images = Qwen2VLImageProcessorPil(size={"shortest_edge": 256, "longest_edge": 4096}, patch_size=4, merge_size=2,
+                                      temporal_patch_size=2)
+    if family == "Qwen2_5_VL":
+        processor = _images_only(transformers.Qwen2_5_VLProcessor)(images, tokenizer, chat_template=QWEN_CHAT_TEMPLATE)
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                      temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1], out_hidden_size=64)
+        text = dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    else:  # Qwen3-VL's tower (Qwen3.5's has no DeepStack) and interleaved M-RoPE
+        processor = _images_only(transformers.Qwen3VLProcessor)(images, tokenizer, chat_template=QWEN_CHAT_TEMPLATE)
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                      temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64)
+        text = dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+        if family == "Qwen3VL":
+            vision["deepstack_visual_indexes"] = [0]
+        else:
+            text = _qwen3_5_text(family)
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id) | text
+    config = getattr(transformers, f"{family}Config")(
+        text_config=text, vision_config=vision, image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
+        vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"], tie_word_embeddings=False)
+    return _save_random(getattr(transformers, f"{family}ForConditionalGeneration"), config, processor, out)
+
+
+def _images_only(processor_class):
+    """The Qwen-VL processor without its video processor (transformers' video processors need torchvision,
+    whose PyPI wheels need a CUDA torch): the same image and text handling."""
+    class ImagesOnly(processor_class):
+        @classmethod
+        def get_attributes(cls):
+            return ["image_processor", "tokenizer"]
+
+    return ImagesOnly

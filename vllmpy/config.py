@@ -87,12 +87,16 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto: the checkpoint's declared KV quantization, else the model dtype
     mamba_ssm_cache_dtype: str = "auto"  # recurrent layers' SSM state; auto = float32
+    # Share of the KV pool's bytes that prefix-cache snapshots of recurrent state may take (with caching on)
+    recurrent_snapshot_fraction: float = 0.1
 
     def validate(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
         _require(self.mamba_ssm_cache_dtype in MAMBA_SSM_CACHE_DTYPES,
                  f"--mamba-ssm-cache-dtype must be one of {', '.join(MAMBA_SSM_CACHE_DTYPES)}, "
                  f"got {self.mamba_ssm_cache_dtype!r}")
+        _require(0.0 <= self.recurrent_snapshot_fraction < 1.0,
+                 f"--recurrent-snapshot-fraction must be in [0, 1), got {self.recurrent_snapshot_fraction}")
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
                  f"--block-size must be a power of two >= 1, got {self.block_size}")
         _require(self.num_blocks is None or self.num_blocks >= 1,

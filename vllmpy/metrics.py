@@ -6,8 +6,9 @@ outputs pass through the server, one output per engine step. Each server owns it
 """
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -26,14 +27,18 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class _EngineCollector:
-    """Gauges and counters straight from EngineStats, read when Prometheus scrapes."""
+    """Gauges and counters straight from EngineStats, read when Prometheus scrapes. Data parallel engines
+    (a list of EngineStats, one per engine) are exported summed under the usual labels, and each under
+    an `engine` label as vLLM does: sum by engine with {engine!=""}, or read the total at {engine=""}."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | list[EngineStats]], model_name: str) -> None:
         self._stats = stats
         self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
+        reported = self._stats()
+        engines = reported if isinstance(reported, list) else []
+        s = _sum_stats(engines) if engines else reported
         gauges = (("vllm:num_requests_running", "Requests in the running batch.", s.num_running),
                   ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
                   ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
@@ -45,14 +50,14 @@ class _EngineCollector:
                     ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
                     ("vllm:num_preemptions", "Preemptions (a request's blocks freed to be recomputed).",
                      s.num_preemptions))
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self._model_name], value)
-            yield family
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self._model_name], value)
-            yield family
+        for kind, suffix, rows in ((GaugeMetricFamily, "", gauges), (CounterMetricFamily, "_total", counters)):
+            for name, doc, value in rows:
+                family = kind(name, doc, labels=["model_name"])
+                family.add_metric([self._model_name], value)
+                for index, engine in enumerate(engines):
+                    family.add_sample(name + suffix, {"model_name": self._model_name, "engine": str(index)},
+                                      getattr(engine, _STAT_OF[name]))
+                yield family
         if s.spec_decode is not None:
             yield from _spec_decode_counters(s.spec_decode, self._model_name)
         if s.max_loras:  # vLLM's: adapter names as comma-joined labels, the scrape time as the value
@@ -61,6 +66,49 @@ class _EngineCollector:
             family.add_metric([str(s.max_loras), ",".join(s.waiting_lora_adapters),
                                ",".join(s.running_lora_adapters)], time.time())
             yield family
+
+
+# The EngineStats field behind each engine gauge and counter (their per-engine samples).
+_STAT_OF = {"vllm:num_requests_running": "num_running", "vllm:num_requests_waiting": "num_waiting",
+            "vllm:kv_cache_usage_perc": "kv_cache_usage", "vllm:prompt_tokens": "prompt_tokens_total",
+            "vllm:generation_tokens": "generation_tokens_total", "vllm:prefix_cache_queries": "prefix_cache_queries",
+            "vllm:prefix_cache_hits": "prefix_cache_hits", "vllm:num_preemptions": "num_preemptions"}
+
+
+def _sum_stats(engines: list[EngineStats]) -> EngineStats:
+    """The engines' totals, field by field: counts summed, KV usage their mean (each pool is its own
+    0..1), adapters' request counts merged, max_loras the same on every engine."""
+    total: dict[str, object] = {}
+    for field in dataclasses.fields(EngineStats):
+        values = [getattr(e, field.name) for e in engines]
+        if field.name == "kv_cache_usage":
+            total[field.name] = sum(values) / len(values)
+        elif field.name == "max_loras":
+            total[field.name] = values[0]
+        elif field.name == "spec_decode":
+            spec = [v for v in values if v is not None]
+            total[field.name] = _sum_spec(spec) if spec else None
+        elif isinstance(values[0], dict):
+            total[field.name] = _sum_counts(values)
+        else:
+            total[field.name] = sum(values)
+    return EngineStats(**total)
+
+
+def _sum_spec(stats: list[SpecDecodeStats]) -> SpecDecodeStats:
+    width = max(len(s.accepted_per_pos) for s in stats)
+    return SpecDecodeStats(sum(s.num_drafts for s in stats), sum(s.num_draft_tokens for s in stats),
+                           sum(s.num_accepted_tokens for s in stats),
+                           [sum(s.accepted_per_pos[i] for s in stats if i < len(s.accepted_per_pos))
+                            for i in range(width)])
+
+
+def _sum_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for count in counts:
+        for name, value in count.items():
+            total[name] = total.get(name, 0) + value
+    return total
 
 
 def _spec_decode_counters(stats: SpecDecodeStats, model_name: str) -> Iterator[Metric]:

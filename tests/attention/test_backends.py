@@ -12,10 +12,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from vllmpy.attention import torch_paged
 from vllmpy.attention.backends import BACKEND_ENV, BACKENDS, select_backend
-from vllmpy.attention.base import AttentionSpec
+from vllmpy.attention.base import AttentionSpec, GroupInputs, PrefillSeq, StepLayout
 from vllmpy.attention.layer import PagedAttention
 from vllmpy.engine.kv_cache_spec import FullAttentionSpec
+from tests.attention.step_metadata import one_group
 
 BS, KV_HEADS, HEADS, DIM = 4, 2, 4, 16
 # (cached context, new tokens) per row: decode rows around a chunked prefill and a fresh prefill.
@@ -63,10 +65,10 @@ def reference(q, keys, values, q_start, spec: AttentionSpec) -> torch.Tensor:
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def make_step(backend, spec: AttentionSpec, seed: int):
+def make_step(backend, spec: AttentionSpec, seed: int, rows=ROWS, num_draft_tokens=None):
     """A paged cache holding each row's cached context, this step's q/k/v, the metadata, the expected output."""
     gen = torch.Generator().manual_seed(seed)
-    lengths = [cached + new for cached, new in ROWS]
+    lengths = [cached + new for cached, new in rows]
     num_blocks = sum(-(-n // BS) for n in lengths) + 1
     ids = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0: the NaN block placeholders point at
     cache = torch.randn(2, num_blocks, BS, KV_HEADS, DIM, generator=gen)
@@ -74,8 +76,7 @@ def make_step(backend, spec: AttentionSpec, seed: int):
     truth_k = [torch.randn(n, KV_HEADS, DIM, generator=gen) for n in lengths]
     truth_v = [torch.randn(n, KV_HEADS, DIM, generator=gen) for n in lengths]
     tables, slots, q, k, v, expected, used = [], [], [], [], [], [], 0
-    query_start_loc, decode_rows, prefill_rows = [0], [], []
-    for row, ((cached, new), n) in enumerate(zip(ROWS, lengths)):
+    for row, ((cached, new), n) in enumerate(zip(rows, lengths)):
         table = ids[used:used + -(-n // BS)].tolist()
         used += len(table)
         for pos in range(cached):
@@ -91,13 +92,9 @@ def make_step(backend, spec: AttentionSpec, seed: int):
         k.append(truth_k[row][cached:])
         v.append(truth_v[row][cached:])
         expected.append(reference(rq, truth_k[row], truth_v[row], cached, spec))
-        query_start_loc.append(query_start_loc[-1] + new)
-        (decode_rows if new == 1 else prefill_rows).append(row)
     width = max(len(t) for t in tables)
-    meta = backend.build_metadata(
-        slot_mapping=torch.tensor(slots), block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        query_start_loc=query_start_loc, seq_lens=lengths, block_size=BS, decode_rows=decode_rows,
-        prefill_rows=prefill_rows)
+    meta = one_group(backend, rows, torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(slots),
+                     BS, num_draft_tokens, views=[spec.decode_view])
     return cache, torch.cat(q), torch.cat(k), torch.cat(v), meta, torch.cat(expected)
 
 
@@ -144,3 +141,45 @@ def test_default_backend_per_device_and_the_override(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "cpu")
     with pytest.raises(ValueError, match="CPU only"):
         select_backend(torch.device("meta"))
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_metadata_tensors_match_the_layout(name):
+    """build_metadata turns the step layout into int64 tensors once, shared by every group's metadata: the
+    decode tokens (one-token rows over a context and a verification's tokens) with each group's own tables,
+    the prefill rows (a one-token prompt is one) as tensors and as the host copy the loop slices by."""
+    rows = [(9, 1), (30, 5), (0, 1), (6, 3), (23, 1)]  # row 3 verifies 2 drafts
+    starts, lens = [0, 1, 6, 7, 10, 11], [10, 35, 1, 9, 24]
+    tables = [torch.arange(50).view(5, 10), torch.arange(50, 100).view(5, 10)]
+    layout = StepLayout(starts, lens, [0, 0, 0, 2, 0], BS, bidirectional_spans=[[], [(31, 33)], [], [], []])
+    metas = BACKENDS[name]().build_metadata(
+        layout, [GroupInputs(torch.arange(11), t, frozenset({(None, None)})) for t in tables])
+    for meta, table in zip(metas, tables):
+        assert meta.query_start_loc.tolist() == starts and meta.seq_lens.tolist() == lens
+        assert meta.query_start_loc.dtype == meta.seq_lens.dtype == torch.int64
+        assert meta.decode.token_idx.tolist() == [0, 7, 8, 9, 10] and meta.decode.rows.tolist() == [0, 1, 2, 3, 4]
+        assert meta.decode.seq_lens.tolist() == [10, 7, 8, 9, 24]
+        assert torch.equal(meta.decode.tables, table[[0, 3, 3, 3, 4]])
+        prefill = meta.prefill
+        assert (prefill.rows.tolist(), prefill.query_start.tolist(), prefill.query_lens.tolist(),
+                prefill.context_lens.tolist()) == ([1, 2], [1, 6], [5, 1], [30, 0])
+        assert prefill.seqs == (PrefillSeq(1, 1, 6, 35, [(31, 33)]), PrefillSeq(2, 6, 7, 1, []))
+        assert meta.block_size == BS and meta.backend is metas[0].backend
+    assert metas[0].query_start_loc is metas[1].query_start_loc and metas[0].prefill is metas[1].prefill
+    assert metas[0].decode.token_idx is metas[1].decode.token_idx  # built once for every group
+    (meta,) = BACKENDS[name]().build_metadata(StepLayout([0, 1, 2], [10, 4], [0, 0], BS), [GroupInputs(
+        torch.arange(2), tables[0][:2])])  # every row decodes one token: the group's table is theirs
+    assert meta.prefill is None and meta.decode.token_idx.tolist() == meta.decode.rows.tolist() == [0, 1]
+    assert meta.decode.seq_lens.tolist() == [10, 4] and torch.equal(meta.decode.tables, tables[0][:2])
+
+
+def test_torch_backend_indexes_decode_views_when_it_builds(monkeypatch):
+    """The torch backend builds each declared view's decode index with the metadata, so no layer builds one;
+    the CPU backend (its C kernel reads the tables) builds none."""
+    spec = AttentionSpec(HEADS, KV_HEADS, DIM, scale=DIM ** -0.5, sliding_window=7)
+    cache, q, k, v, meta, expected = make_step(BACKENDS["torch"](), spec, seed=5)
+    assert set(meta.decode_index) == {(7, None)}
+    assert make_step(BACKENDS["cpu"](), spec, seed=5)[4].decode_index == {}
+    monkeypatch.setattr(torch_paged, "decode_index", lambda *args: pytest.fail("a layer built a decode index"))
+    out = PagedAttention(spec)(q, k, v, cache, meta)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)

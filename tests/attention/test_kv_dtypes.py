@@ -14,9 +14,8 @@ from vllmpy import kernels
 from vllmpy.attention import torch_paged
 from vllmpy.attention.base import AttentionSpec
 from vllmpy.attention.kv_storage import dequantize_int8, int8_group, quantize_fp8, quantize_int8
-from vllmpy.attention.torch_paged import _decode_index
 from vllmpy.engine.kv_cache_spec import FullAttentionSpec
-from tests.attention.test_paged_decode_kernel import make_batch
+from tests.attention.test_paged_decode_kernel import make_batch, torch_index
 
 QUANTIZED = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
 # Builds of the kernel the machine can run, by the widest vector path each takes.
@@ -83,12 +82,12 @@ def _quantized_cache(dtype: torch.dtype, dim: int, seq_lens: list[int], seed: in
 @pytest.mark.parametrize("dim", [256, 80])
 @pytest.mark.parametrize("window", [None, 40], ids=["full", "window40"])
 def test_kernel_builds_read_quantized_caches_as_the_torch_path(builds, dtype, dim, window):
-    cache, meta = _quantized_cache(dtype, dim, [1, 16, 77, 300], seed=dim)
+    cache, meta = _quantized_cache(dtype, dim, [2, 16, 77, 300], seed=dim)
     spec = AttentionSpec(8, 2, dim, scale=dim ** -0.5, sliding_window=window)
-    q = torch.randn(meta.query_start_loc[-1], 8, dim)
+    q = torch.randn(int(meta.query_start_loc[-1]), 8, dim)
     tokens = meta.decode.token_idx
-    expected = torch_paged._decode(q[tokens], cache, _decode_index(meta, window, torch.device("cpu")), spec)
+    expected = torch_paged._decode(q[tokens], cache, torch_index(meta, spec), spec)
     for name, lib in builds.items():
         out = torch.full_like(q, float("nan"))
-        torch_paged._kernel_decode(lib, q, cache, meta.decode, spec, out)
+        torch_paged._kernel_decode(lib, q, cache, meta.decode, spec, out, tokens)
         torch.testing.assert_close(out[tokens], expected, atol=2e-5, rtol=0, msg=f"{name} build")

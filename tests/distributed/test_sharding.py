@@ -69,9 +69,9 @@ def test_packed_columns_narrow_in_blocks_or_decode():
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("pipeline_parallel_size", 2, "--pipeline-parallel-size 2: pipeline parallel is not built yet"),
-    ("data_parallel_size", 2, "--data-parallel-size 2: data parallel is not built yet"),
-    ("distributed_executor_backend", "ray", "ray is not built yet"),
+    ("pipeline_parallel_size", 0, "--pipeline-parallel-size must be >= 1"),
+    ("data_parallel_size", 0, "--data-parallel-size must be >= 1"),
+    ("distributed_executor_backend", "threads", "--distributed-executor-backend must be one of mp, ray, uni"),
     ("tensor_parallel_size", 0, "--tensor-parallel-size must be >= 1"),
 ])
 def test_unbuilt_parallel_modes_are_refused_by_name(flag, value, message):
@@ -81,8 +81,18 @@ def test_unbuilt_parallel_modes_are_refused_by_name(flag, value, message):
         EngineConfig.from_kwargs(**{flag: value})
 
 
-def test_flags_bind_and_ray_is_never_imported():
+def test_tp_with_pp_is_refused_by_name():
+    from vllmpy.config import EngineConfig
+
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 2 with --tensor-parallel-size 2: the two are not "
+                                         "combined yet"):
+        EngineConfig.from_kwargs(tensor_parallel_size=2, pipeline_parallel_size=2)
+
+
+def test_flags_bind_and_ray_is_never_imported(monkeypatch):
     import argparse
+
+    monkeypatch.delitem(sys.modules, "ray", raising=False)  # an earlier test may have used the ray executor
 
     from vllmpy.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
@@ -98,6 +108,15 @@ def test_tp1_engine_has_no_parallel_hooks(tiny_llama_dir):
     from vllmpy import LLM
 
     core = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=64, num_blocks=16).engine.core
-    assert core.executor is None
+    assert core.executor is None and core.batch_queue is None
     assert not any(hasattr(m, "tp_split") or m._forward_hooks for m in core.model.modules())
     assert "compute_logits" not in vars(core.model)
+
+
+def test_ray_backend_without_ray_names_the_extra(monkeypatch, tiny_llama_dir):
+    from vllmpy import LLM
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError, as where it is not installed
+    with pytest.raises(ValueError, match=r"ray needs the ray package: pip install 'vllmpy\[ray\]'"):
+        LLM(model=tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray", dtype="float32",
+            max_model_len=64, num_blocks=16)

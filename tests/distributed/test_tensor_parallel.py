@@ -19,7 +19,7 @@ MAX_TOKENS = 8
 ENGINE = dict(dtype="float32", max_model_len=128, num_blocks=64, block_size=16)
 
 
-def _oracle(llm) -> list[tuple[list[int], list[int], torch.Tensor]]:
+def _oracle(llm, prompts: list[str] = PROMPTS) -> list[tuple[list[int], list[int], torch.Tensor]]:
     """TP=1's (prompt ids, greedy tokens, [steps, vocab] stand-in logits) for gate.compare: its top-2
     logprobs exactly, and every other token the mean of the remaining mass. That mean is at most the
     second logprob, so the top-2 (the near-tie gap) and the log_softmax of the top tokens are TP=1's own,
@@ -29,7 +29,7 @@ def _oracle(llm) -> list[tuple[list[int], list[int], torch.Tensor]]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     vocab = llm.engine.core.vocab_size
     runs = []
-    for output in llm.generate(PROMPTS, params, use_tqdm=False):
+    for output in llm.generate(prompts, params, use_tqdm=False):
         completion = output.outputs[0]
         steps = torch.empty(len(completion.token_ids), vocab, dtype=torch.float64)
         for step, position in enumerate(completion.logprobs):
@@ -117,10 +117,16 @@ def test_packed_gguf_tp2_matches_tp1(smollm2_gguf_path, tmp_path):
 
 def test_dead_worker_stops_the_engine(tiny_llama_dir):
     """A killed worker fails the next step with an error naming it (no hang), and no child is left."""
-    from vllmpy import LLM, SamplingParams
+    from vllmpy import LLM
+
+    kill_worker_then_steps_fail(LLM(model=tiny_llama_dir, tensor_parallel_size=2, **ENGINE))
+
+
+def kill_worker_then_steps_fail(llm) -> None:
+    """SIGKILL rank 1: every later step raises DistributedEngineError naming it, and no child is left."""
+    from vllmpy import SamplingParams
     from vllmpy.distributed import DistributedEngineError
 
-    llm = LLM(model=tiny_llama_dir, tensor_parallel_size=2, **ENGINE)
     worker = llm.engine.core.executor.workers[0]
     os.kill(worker.pid, signal.SIGKILL)
     worker.join()

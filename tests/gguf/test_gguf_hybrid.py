@@ -132,24 +132,33 @@ def _converted(state: dict[str, torch.Tensor], c) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write(name: str, vocab: dict, out: Path):
-    from safetensors.torch import load_file
+def random_tiny(config, quantized: tuple[str, ...]):
+    """The HF model of `config` with seeded weights a tiny hybrid computes stably on (norms near 1; A_log,
+    dt_bias and D in [-1, 1]); the parameters whose names end in `quantized` hold their Q8_0 values, as
+    the file will, so the reference computes what the file holds."""
     from transformers import AutoModelForCausalLM
 
-    make_config, arch = CASES[name]
-    config = make_config(len(vocab["tokenizer.ggml.tokens"]))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for param_name, p in model.named_parameters():
             if "norm" in param_name:
                 p.normal_(1.0, 0.3)
-            elif param_name.endswith(("A_log", "dt_bias", "D")):
+            elif param_name.endswith(("A_log", "dt_bias", ".D")):
                 p.uniform_(-1.0, 1.0)
             else:
                 p.normal_(0.0, 0.3 if p.dim() == 1 else 0.15)
-            if param_name.endswith(("in_proj.weight", "out_proj.weight")):  # the reference holds the file's Q8_0
+            if param_name.endswith(quantized):
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), Q8_0), Q8_0)))
+    return model
+
+
+def _write(name: str, vocab: dict, out: Path):
+    from safetensors.torch import load_file
+
+    make_config, arch = CASES[name]
+    config = make_config(len(vocab["tokenizer.ggml.tokens"]))
+    model = random_tiny(config, ("in_proj.weight", "out_proj.weight"))
     model.save_pretrained(out / "hf")
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     path = out / f"{name}.gguf"

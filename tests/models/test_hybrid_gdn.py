@@ -1,21 +1,19 @@
-"""Gate for the Gated DeltaNet and short-conv hybrids (Qwen3.5 dense / MoE / vision-language text,
-Qwen3-Next, LFM2): each on a tiny random config with its family's real layer pattern, greedy 32 tokens
-on the gate prompts plus one of more than two delta-rule chunks vs transformers fp32 (strict or near-tie,
-logprobs within 1e-3); on Qwen3.5 (Gated DeltaNet) and LFM2 (short conv) the Mamba2 gate's batched,
+"""Gate for the Gated DeltaNet and short-conv hybrids (Qwen3.5 dense / MoE, Qwen3-Next, LFM2; the
+vision-language Qwen3.5 checkpoints, text and images, are gated in tests/models/test_vlm_qwen3_5.py):
+each on a tiny random config with its family's real layer pattern, greedy 32 tokens on the gate prompts
+plus one of more than two delta-rule chunks vs transformers fp32 (strict or near-tie, logprobs within
+1e-3); on Qwen3.5 (Gated DeltaNet) and LFM2 (short conv) the Mamba2 gate's batched,
 chunked-prefill (the recurrent state carried across steps) and preempted runs equal to each prompt
 run alone."""
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
-from tests.gate import gate_llm, gate_tiny_family
-from tests.models.test_gate_transformers import MAX_TOKENS, PROMPTS
+from tests.gate import gate_tiny_family
+from tests.models.test_gate_transformers import PROMPTS
 from tests.models.test_hybrid_mamba import check_state_invariance
-from tests.tiny_models import make_tiny_checkpoint
 
 # Qwen3.5's real pattern: three Gated DeltaNet layers, then one gated full attention. Value heads
 # outnumber key heads (4 / 2, as 32 / 16 in Qwen3.5-9B), GQA 4 / 2 in attention, head_dim 32.
@@ -85,48 +83,3 @@ def _check_long_then_state(llm) -> None:
     assert 192 < len(llm.get_tokenizer().encode(LONG_PROMPT)) <= 256 - 32  # four delta-rule chunks, and room
     check_state_invariance(llm)
 
-
-# vision-language architecture -> its text model's gate id (whose tiny config it wraps)
-VISION_LANGUAGE = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-                   "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
-
-
-def _vision_language_checkpoint(arch: str, text_model, tokenizer_dir: str, out: Path):
-    """transformers' `arch` around `text_model`'s weights with a tiny vision tower, saved as transformers
-    saves it (model.language_model.*, model.visual.*, the LM's config under text_config)."""
-    import transformers
-
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8,
-                  spatial_merge_size=2, temporal_patch_size=2)
-    config_class = getattr(transformers, arch.replace("ForConditionalGeneration", "Config"))
-    config = config_class(text_config=text_model.config.to_dict(), vision_config=vision,
-                          tie_word_embeddings=text_model.config.tie_word_embeddings)
-    config.architectures = [arch]
-    model = getattr(transformers, arch)(config).eval()
-    model.model.language_model.load_state_dict(text_model.model.state_dict())
-    model.lm_head.load_state_dict(text_model.lm_head.state_dict())
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (Path(tokenizer_dir) / name).exists():
-            shutil.copy(Path(tokenizer_dir) / name, out / name)
-    return model
-
-
-@pytest.mark.parametrize("arch", list(VISION_LANGUAGE))
-def test_vision_language_checkpoint_serves_its_text_model(arch, smollm2_tokenizer_dir, tmp_path, gate_report, caplog):
-    """The vision tower is skipped with one INFO line; the text model is gated against transformers'
-    vision-language model itself (text-only prompts)."""
-    from vllmpy import LLM
-
-    text_id = VISION_LANGUAGE[arch]
-    text_model = make_tiny_checkpoint(text_id, smollm2_tokenizer_dir, tmp_path / "text", FAMILIES[text_id][0])
-    reference = _vision_language_checkpoint(arch, text_model, smollm2_tokenizer_dir, tmp_path / "vl")
-    with caplog.at_level("INFO", logger="vllmpy"):
-        llm = LLM(model=str(tmp_path / "vl"), dtype="float32", num_blocks=64, block_size=16)
-    skipped = [r.getMessage() for r in caplog.records if "vision tower skipped" in r.getMessage()]
-    assert len(skipped) == 1 and "model.visual" in skipped[0], skipped
-    result = gate_llm(llm, reference, PROMPTS, MAX_TOKENS, arch)
-    gate_report(arch, result, f"the {text_id} tiny config inside a checkpoint with a vision tower (skipped)",
-                len(PROMPTS))
-    assert not result.failures, "\n".join(result.failures)
-    assert result.strict + result.near_tie == len(PROMPTS)

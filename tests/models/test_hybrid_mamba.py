@@ -156,9 +156,10 @@ def granite_dir(smollm2_tokenizer_dir, tmp_path_factory) -> str:
     return str(out)
 
 
-def test_seats_bound_max_num_seqs_and_prefix_caching_is_off(granite_dir, caplog):
-    """A budget too small for max_num_seqs states prints USAGE's reduction line and serves that many; one
-    too small for a single state is refused before serving, with the arithmetic."""
+def test_seats_bound_max_num_seqs(granite_dir, caplog):
+    """A budget too small for max_num_seqs states prints USAGE's reduction line and serves that many (the
+    seats come first: prefix caching stays on, with the snapshots the rest affords, none here); one too
+    small for a single state is refused before serving, with the arithmetic."""
     import logging
 
     from vllmpy import LLM
@@ -176,8 +177,9 @@ def test_seats_bound_max_num_seqs_and_prefix_caching_is_off(granite_dir, caplog)
             "--num-blocks / --kv-cache-memory for more concurrent sequences, or lower num_speculative_tokens."
             ) in caplog.messages
     assert core.config.scheduler.max_num_seqs == 5 == core.kv_cache_config.num_seats
-    assert not core.scheduler.kv.enable_caching
-    assert any(m.startswith("prefix caching is off for GraniteMoeHybridForCausalLM") for m in caplog.messages)
+    assert core.scheduler.kv.enable_caching and core.kv_cache_config.num_snapshots == 0
+    assert any("; 0 prefix-cache snapshots of that state" in m for m in caplog.messages)
+    assert not any("prefix caching is off" in m for m in caplog.messages)
     with pytest.raises(KVCacheTooSmallError, match=r"plus 3 x 10496 = 31488 bytes of recurrent state"):
         LLM(model=granite_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=16,
             kv_cache_memory=16 * 4096 + 31000)

@@ -91,6 +91,64 @@ def test_bad_request_raises_and_engine_keeps_serving(engine):
     assert len(asyncio.run(main())[-1].outputs[0].token_ids) == 3
 
 
+def _detokenizing_threads(monkeypatch) -> list[str]:
+    """The thread of every IncrementalDetokenizer.add_tokens call from now on."""
+    from vllmpy.tokenizer import IncrementalDetokenizer
+
+    threads: list[str] = []
+    real = IncrementalDetokenizer.add_tokens
+
+    def counted(self, new_ids):
+        threads.append(threading.current_thread().name)
+        return real(self, new_ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_tokens", counted)
+    return threads
+
+
+def test_text_without_stop_strings_is_made_by_the_caller(engine, monkeypatch):
+    """No stop strings: the engine loop does no detokenization, and the caller's text (cumulative and as
+    deltas, n = 2) is the one the engine makes when a stop string that never matches needs its text."""
+    threads = _detokenizing_threads(monkeypatch)
+    params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=12, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(_collect(engine, "Once upon", params), _collect(engine, "Once upon", params,
+                                                                                     delta=True))
+
+    cumulative, deltas = asyncio.run(main())
+    assert threads and "vllmpy-engine" not in threads
+    threads.clear()
+    in_engine = asyncio.run(_collect(engine, "Once upon", params.clone(stop=["\x00never"])))
+    assert set(threads) == {"vllmpy-engine"}
+    for index in (0, 1):
+        text = cumulative[-1].outputs[index].text
+        assert text and text == in_engine[-1].outputs[index].text
+        assert "".join(c.text for d in deltas for c in d.outputs if c.index == index) == text
+
+
+def test_outputs_are_snapshots(engine):
+    """Each output keeps its own step's metrics and logprobs, though the caller reads them after later steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    outputs = asyncio.run(_collect(engine, "Hello there", params))
+    assert [len(o.outputs[0].logprobs) for o in outputs] == [len(o.outputs[0].token_ids) for o in outputs]
+    times = [o.metrics.last_token_time for o in outputs]
+    assert times == sorted(times) and len(set(times)) == len(times) == 6
+    assert [o.metrics.num_generation_tokens for o in outputs] == list(range(1, 7))
+
+
+def test_stop_string_still_cuts_exactly(engine, monkeypatch):
+    threads = _detokenizing_threads(monkeypatch)
+    free = asyncio.run(_collect(engine, "Hello there", SamplingParams(temperature=0.0, max_tokens=16,
+                                                                      ignore_eos=True)))[-1].outputs[0]
+    stop = free.text[len(free.text) // 2:][:3]
+    cut = asyncio.run(_collect(engine, "Hello there", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                                                     stop=[stop])))[-1].outputs[0]
+    assert "vllmpy-engine" in threads
+    assert cut.text == free.text[:free.text.find(stop)]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
+
+
 def _engine_config(tiny_llama_dir, **kwargs):
     from vllmpy.config import EngineConfig
 

@@ -12,6 +12,7 @@ from vllmpy.attention.backends import BACKENDS
 from vllmpy.attention.mla import MLAAttention, MLAAttentionSpec, mla_softmax_scale
 from vllmpy.attention.torch_paged import _decode_kernel
 from vllmpy.layers.linear import Linear
+from tests.attention.step_metadata import one_group
 
 BS, HEADS, LORA, NOPE, ROPE, V = 4, 4, 32, 16, 8, 24
 # (cached context, new tokens) per row: decode rows around a chunked prefill and a fresh prefill.
@@ -38,8 +39,9 @@ def _reference(q_nope, q_pe, latents, cached, kv_b_weight, scale) -> torch.Tenso
     return torch.einsum("hqk,khd->qhd", probs, kv[..., NOPE:])
 
 
-def _step(backend, dtype: torch.dtype, absorbed: bool, seed: int = 0):
-    """One mixed step on a fresh latent cache; absorbed=False attends the decode rows as 1-token prefills."""
+def _step(backend, dtype: torch.dtype, seed: int = 0):
+    """One mixed step on a fresh latent cache: the layer's output (decode rows absorbed), every row attended
+    expanded over the latents as the cache holds them, and the float64 reference; and the metadata."""
     gen = torch.Generator().manual_seed(seed)
     layer, kv_b = _layer(gen)
     lengths = [cached + new for cached, new in ROWS]
@@ -47,9 +49,8 @@ def _step(backend, dtype: torch.dtype, absorbed: bool, seed: int = 0):
     spec = layer.kv_cache_spec(BS, dtype)
     cache = spec.view(torch.zeros(spec.page_bytes * num_blocks, dtype=torch.uint8), num_blocks)
     ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    tables, slots, q_nope, q_pe, latents, expected, used = [], [], [], [], [], [], 0
-    query_start_loc, decode_rows, prefill_rows = [0], [], []
-    for row, ((cached, new), n) in enumerate(zip(ROWS, lengths)):
+    tables, slots, q_nope, q_pe, latents, used = [], [], [], [], [], 0
+    for (cached, new), n in zip(ROWS, lengths):
         table = ids[used:used + -(-n // BS)]
         used += len(table)
         tables.append(table)
@@ -58,37 +59,34 @@ def _step(backend, dtype: torch.dtype, absorbed: bool, seed: int = 0):
         if cached:  # the context a previous step wrote
             cache.write(latent[:cached, None], latent[:cached, None], torch.tensor(positions[:cached]))
         slots += positions[cached:]
-        rq_nope, rq_pe = torch.randn(new, HEADS, NOPE, generator=gen), torch.randn(new, HEADS, ROPE, generator=gen)
-        q_nope.append(rq_nope), q_pe.append(rq_pe), latents.append(latent[cached:])
-        query_start_loc.append(query_start_loc[-1] + new)
-        (decode_rows if new == 1 and absorbed else prefill_rows).append(row)
-        expected.append((rq_nope, rq_pe, cached))
+        q_nope.append(torch.randn(new, HEADS, NOPE, generator=gen))
+        q_pe.append(torch.randn(new, HEADS, ROPE, generator=gen))
+        latents.append(latent[cached:])
     width = max(len(t) for t in tables)
-    meta = backend.build_metadata(
-        slot_mapping=torch.tensor(slots), block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        query_start_loc=query_start_loc, seq_lens=lengths, block_size=BS, decode_rows=decode_rows,
-        prefill_rows=prefill_rows)
+    meta = one_group(backend, ROWS, torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(slots),
+                     BS, views=[layer.spec.decode_view])
     out = layer(torch.cat(q_nope), torch.cat(q_pe), torch.cat(latents), cache, meta, kv_b)
     # The reference reads the latents as the cache holds them (quantized dtypes round them).
     stored = [cache.gather(torch.tensor(t), torch.float32)[0].reshape(-1, LORA + ROPE)[:n]
               for t, n in zip(tables, lengths)]
+    expanded = torch.cat([layer._expanded(qn, qp, s, n, kv_b) for qn, qp, s, n in zip(q_nope, q_pe, stored, lengths)])
     reference = torch.cat([_reference(qn, qp, s, cached, kv_b.weight.data, layer.spec.scale)
-                           for (qn, qp, cached), s in zip(expected, stored)])
-    return out, reference
+                           for qn, qp, s, (cached, _) in zip(q_nope, q_pe, stored, ROWS)])
+    return out, expanded, reference, meta
 
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=["f32", "e4m3", "int8"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_absorbed_decode_equals_expanded_attention(backend, dtype):
-    absorbed, reference = _step(BACKENDS[backend](), dtype, absorbed=True)
-    expanded, same_reference = _step(BACKENDS[backend](), dtype, absorbed=False)
-    assert torch.equal(reference, same_reference)  # the same batch both ways
-    torch.testing.assert_close(absorbed, expanded, atol=1e-5, rtol=0)
-    torch.testing.assert_close(absorbed.double(), reference, atol=1e-5, rtol=0)
+    out, expanded, reference, meta = _step(BACKENDS[backend](), dtype)
+    decoding = [row for row, (cached, new) in enumerate(ROWS) if cached and new == 1]
+    assert meta.decode.token_idx.tolist() == [sum(new for _, new in ROWS[:row]) for row in decoding]
+    torch.testing.assert_close(out, expanded, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=0)
 
 
 def test_backends_agree_on_absorbed_decode():
-    outs = [_step(cls(), torch.float32, absorbed=True)[0] for cls in BACKENDS.values()]
+    outs = [_step(cls(), torch.float32)[0] for cls in BACKENDS.values()]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
 
 

@@ -34,7 +34,7 @@ class SeatRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for new in out.new_requests:
             self.prompts[new.req_id] = new.prompt_token_ids + new.output_token_ids
-        seats = [chunk.block_ids[self.num_groups] for chunk in out.chunks]
+        seats = [chunk.new_block_ids[self.num_groups] for chunk in out.chunks]
         assert all(len(s) == 1 for s in seats)
         assert len({s[0] for s in seats}) == len(seats), "two chunks of one step share a seat"
         sampled = []
@@ -127,7 +127,9 @@ def size(max_num_seqs: int, kv_cache_memory: int | None = None, num_blocks: int 
 def test_seats_come_out_of_the_budget_first() -> None:
     layout, pool = size(4, kv_cache_memory=100_000)
     assert pool.num_seats == 4 and pool.reduction is None
-    assert pool.num_blocks == (100_000 - 4 * layout.state_bytes_per_seq) // layout.block_bytes
+    # then the prefix-cache snapshots: the default --recurrent-snapshot-fraction 0.1 of the pool
+    assert pool.num_snapshots == 10_000 // layout.state_bytes_per_seq
+    assert pool.num_blocks == (100_000 - (4 + pool.num_snapshots) * layout.state_bytes_per_seq) // layout.block_bytes
     assert "4 recurrent-state seats x 448 B" in pool.info
 
 

@@ -1,4 +1,4 @@
-"""The runner's per-request state kept across steps: block table rows appended to, penalty counts
+"""The runner's per-request state kept across steps: block table rows appended to (deltas), penalty counts
 folded in incrementally, a read-only view for logits processors, and grammar failures that fail only
 their own request."""
 from __future__ import annotations
@@ -14,16 +14,26 @@ from vllmpy.sampling_params import SamplingParams
 CPU = torch.device("cpu")
 
 
-def test_block_table_rows_append_and_are_reused_clean():
+def test_block_table_rows_append_deltas_and_are_reused_clean():
+    """Each step appends only the chunk's new entries (new_block_ids); a truncation (rejected drafts'
+    blocks) lets the next entries overwrite the tail; slots are one gather; a freed row is reused clean."""
     tables = BlockTables(num_groups=2, device=CPU, capacity=1, width=2)
-    tables.update("a", ([3, 4], [7]))
-    tables.update("b", ([5], [8, 9, 10]))  # grows rows and the second group's width
-    tables.update("a", ([3, 4, 6], [7]))  # only the new entry is written
-    assert tables.gather(["a", "b"], 0).tolist() == [[3, 4, 6], [5, 0, 0]]
-    assert tables.gather(["b", "a"], 1).tolist() == [[8, 9, 10], [7, 0, 0]]
+    tables.append("a", ([7, 3], [5]))
+    tables.append("b", ([9], [4, 6, 8]))  # grows the rows and the second group's width
+    tables.append("a", ([], [2]))
+    tables.append("a", ([1, 11], [10]))  # grows the first group's width
+    tables.truncate("a", 2)
+    tables.append("a", ([12], [13]))
+    rows = tables.row_index(["b", "a"])
+    assert tables.gather(["b", "a"], rows, 0).tolist() == [[9, 0, 0], [7, 3, 12]]
+    assert tables.gather(["b", "a"], rows, 1).tolist() == [[4, 6, 8], [5, 2, 13]]
+    positions = torch.tensor([5, 0, 9, 11])  # two tokens of b, two of a; blocks of 4
+    slots = tables.slot_mapping(rows.repeat_interleave(torch.tensor([2, 2])), positions, 4, 1)
+    assert slots.tolist() == [6 * 4 + 1, 4 * 4, 13 * 4 + 1, 13 * 4 + 3]
     tables.remove("a")
-    tables.update("c", ([1], [2]))  # takes a's row: nothing of a's is left in it
-    assert tables.gather(["c"], 0).tolist() == [[1]] and tables.tables[0][tables.rows["c"]].tolist()[1:3] == [0, 0]
+    tables.append("c", ([14], [15]))  # takes a's row: nothing of a's is left in it
+    assert tables.gather(["c"], tables.row_index(["c"]), 0).tolist() == [[14]]
+    assert tables.tables[0][tables.rows["c"]].tolist()[1:3] == [0, 0]
 
 
 def test_penalty_counts_fold_in_only_new_tokens_and_match_a_recount():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.attention.test_backends import BS, CACHE_DTYPES, DIM, HEADS, KV_HEADS, ROWS, make_step, stored_as
+from tests.attention.test_backends import CACHE_DTYPES, DIM, HEADS, KV_HEADS, ROWS, make_step, stored_as
 from vllmpy.attention import torch_paged
 from vllmpy.attention.backends import BACKENDS
 from vllmpy.attention.base import AttentionSpec
@@ -22,14 +22,12 @@ def test_verification_rows_decode_in_the_batched_call(window, dtype, monkeypatch
     gathers = []
     original = torch_paged._gather_seq
     monkeypatch.setattr(torch_paged, "_gather_seq", lambda *a: gathers.append(a[2]) or original(*a))
+    drafts = [new - 1 if row in verifying else 0 for row, (_, new) in enumerate(ROWS)]
+    decode = [row for row, (cached, new) in enumerate(ROWS) if cached and (new == 1 or row in verifying)]
     for name, backend in BACKENDS.items():
-        cache, q, k, v, meta, expected = make_step(backend(), spec, seed=11)
-        decode = sorted(meta.decode_rows + verifying)
-        meta = backend().build_metadata(
-            slot_mapping=meta.slot_mapping, block_tables=meta.block_tables, query_start_loc=meta.query_start_loc,
-            seq_lens=meta.seq_lens, block_size=BS, decode_rows=decode,
-            prefill_rows=[r for r in meta.prefill_rows if r not in verifying])
-        assert meta.decode.token_idx.numel() == sum(meta.query_len(r) for r in decode)
+        cache, q, k, v, meta, expected = make_step(backend(), spec, seed=11, num_draft_tokens=drafts)
+        assert meta.decode.token_idx.numel() == sum(ROWS[r][1] for r in decode)
+        assert {seq.row for seq in meta.prefill.seqs}.isdisjoint(decode)
         out = PagedAttention(spec)(q, k, v, stored_as(cache, dtype), meta)
         assert out.isfinite().all(), f"{name} read a block outside the window"
         torch.testing.assert_close(out.double(), expected, atol=CACHE_DTYPES[dtype], rtol=0, msg=name)

@@ -291,3 +291,13 @@ def test_model_without_template_is_refused(gemma3):
     for tok in (from_dir, from_gguf):
         with pytest.raises(ChatTemplateError, match="no chat template"):
             tok.apply_chat_template(CONVERSATION)
+
+
+def test_cli_path_does_not_import_jinja2():
+    """vllm-cli never renders a chat template, so its start does not pay for importing jinja2."""
+    import subprocess
+    import sys
+
+    code = "import sys, vllmpy.entrypoints.cli, vllmpy.entrypoints.llm; print(sorted({'jinja2'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -14,9 +14,8 @@ kv_a_proj_with_mqa compresses a token to c_kv (kv_lora_rank, RMS-normed) and a s
 """
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -77,18 +76,6 @@ def dense_weight(linear: Linear) -> torch.Tensor:
     return linear.weight.data
 
 
-def _decode_tokens_only(meta: AttentionMetadata) -> AttentionMetadata:
-    """meta with its decode tokens numbered 0..B-1, so the absorbed q / out hold only them (a long prefill
-    in the same step costs nothing here); built once per step and group, shared by its MLA layers."""
-    view = meta.cache.get("mla_decode")
-    if view is None:
-        view = copy.copy(meta)
-        view.cache = {}  # its own memo: the backend's decode index is keyed by the token numbering
-        view.decode = replace(meta.decode, token_idx=meta.decode.rows)
-        meta.cache["mla_decode"] = view
-    return view
-
-
 class MLAAttention(PagedAttention):
     """The cache layer: writes the latents, attends decode rows absorbed and prefill rows expanded.
 
@@ -127,27 +114,26 @@ class MLAAttention(PagedAttention):
         entry = latent.unsqueeze(1)
         stored, _ = cache.write(entry, entry, meta.slot_mapping)  # as the cache holds it (fp8 / int8)
         out = q_nope.new_empty(q_nope.shape[0], self.spec.num_heads, self.v_dim)
-        if meta.decode_rows:
-            tokens = meta.decode.token_idx
-            out[tokens] = self._absorbed_decode(q_nope, q_pe, cache, meta)
-        for row in meta.prefill_rows:
-            start, end = meta.query_start_loc[row], meta.query_start_loc[row + 1]
-            seq_len = meta.seq_lens[row]
+        if meta.decode is not None:
+            out[meta.decode.token_idx] = self._absorbed_decode(q_nope, q_pe, cache, meta)
+        for seq in meta.prefill.seqs if meta.prefill is not None else ():
+            start, end, seq_len = seq.start, seq.end, seq.seq_len
             if seq_len == end - start:
                 context = stored[start:end, 0]
             else:
-                context = _gather_seq(cache, meta, row, 0, seq_len, q_nope.dtype)[0][:, 0]
+                context = _gather_seq(cache, meta, seq.row, 0, seq_len, q_nope.dtype)[0][:, 0]
             out[start:end] = self._expanded(q_nope[start:end], q_pe[start:end], context, seq_len, kv_b_proj)
         return out
 
     def _absorbed_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: PagedKVCache,
                          meta: AttentionMetadata) -> torch.Tensor:
-        """The decode rows' outputs [B, H, v]: MQA over the latent with W_UK / W_UV folded in."""
+        """The decode rows' outputs [B, H, v]: MQA over the latent with W_UK / W_UV folded in. The absorbed
+        q / out hold only the decode tokens, so a long prefill in the same step costs nothing here."""
         tokens = meta.decode.token_idx
         q_lat = torch.bmm(q_nope[tokens].transpose(0, 1), self.w_uk.to(q_nope.dtype))  # [H, B, L]
         q_abs = torch.cat((q_lat.transpose(0, 1), q_pe[tokens]), dim=-1)  # [B, H, L + rope]
         out_lat = torch.empty_like(q_abs)
-        meta.backend.decode(q_abs, cache, _decode_tokens_only(meta), self.spec, out_lat)
+        meta.backend.decode(q_abs, cache, meta, self.spec, out_lat)
         lat = out_lat[:, :, :self.kv_lora_rank].transpose(0, 1)  # V is the latent part of the entry
         return torch.bmm(lat, self.w_uv_t.to(lat.dtype)).transpose(0, 1)
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vllmpy.attention.base import AttentionMetadata, AttentionSpec, DecodeBatch
+from vllmpy.attention.base import AttentionMetadata, AttentionSpec, DecodeBatch, DecodeIndex, DecodeView
 from vllmpy.attention.kv_storage import PagedKVCache, as_paged
 from vllmpy.kernels import attention_kernels
 from vllmpy.layers.dense import dense_linear
@@ -41,11 +41,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     kv_cache = as_paged(kv_cache)
     k, v = kv_cache.write(k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    if meta.decode_rows:
-        _attend_decode_rows(q, kv_cache, meta, spec, out, use_kernel)
-    for row in meta.prefill_rows:
-        start, end = meta.query_start_loc[row], meta.query_start_loc[row + 1]
-        seq_len = meta.seq_lens[row]
+    if meta.decode is not None:
+        _attend_decode_rows(q, kv_cache, meta, spec, out, meta.decode.token_idx, use_kernel)
+    for seq in meta.prefill.seqs if meta.prefill is not None else ():
+        start, end, seq_len = seq.start, seq.end, seq.seq_len
         key_start = 0
         if seq_len == end - start:  # no cached context: attend this step's K/V directly
             keys, values = k[start:end], v[start:end]
@@ -53,22 +52,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             if spec.sliding_window is not None:  # from the block holding the first query's oldest key
                 first_key = max(0, seq_len - (end - start) - spec.sliding_window + 1)
                 key_start = first_key // meta.block_size * meta.block_size
-            keys, values = _gather_seq(kv_cache, meta, row, key_start, seq_len, q.dtype)
-        spans = meta.bidirectional_spans[row] if meta.bidirectional_spans else ()
-        out[start:end] = _prefill(q[start:end], keys, values, seq_len, spec, key_start, spans)
+            keys, values = _gather_seq(kv_cache, meta, seq.row, key_start, seq_len, q.dtype)
+        out[start:end] = _prefill(q[start:end], keys, values, seq_len, spec, key_start, seq.spans)
     return out
 
 
 def _encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                        spec: AttentionSpec) -> torch.Tensor:
-    """Bidirectional attention within each sequence; the scheduler gives an encoder whole prompts only."""
+    """Bidirectional attention within each sequence; the scheduler gives an encoder whole prompts only
+    (each a prefill row: none extends a context)."""
     out = torch.empty_like(q)
-    for row in range(meta.num_seqs):
-        start, end = meta.query_start_loc[row], meta.query_start_loc[row + 1]
-        if meta.seq_lens[row] != end - start:
-            raise RuntimeError("an encoder sequence was split across steps; chunked prefill and prefix "
-                               "caching must be off for non-causal models")
-        out[start:end] = _prefill(q[start:end], k[start:end], v[start:end], end - start, spec)
+    seqs = meta.prefill.seqs if meta.prefill is not None else ()
+    if meta.decode is not None or any(seq.seq_len != seq.end - seq.start for seq in seqs):
+        raise RuntimeError("an encoder sequence was split across steps; chunked prefill and prefix "
+                           "caching must be off for non-causal models")
+    for seq in seqs:
+        out[seq.start:seq.end] = _prefill(q[seq.start:seq.end], k[seq.start:seq.end], v[seq.start:seq.end],
+                                          seq.end - seq.start, spec)
     return out
 
 
@@ -148,14 +148,16 @@ def _softmax(scores: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
 
 
 def _attend_decode_rows(q: torch.Tensor, kv_cache: PagedKVCache, meta: AttentionMetadata, spec: AttentionSpec,
-                        out: torch.Tensor, use_kernel: bool) -> None:
-    """out[t] for the decode rows' tokens t: the C kernel where it applies, else the torch path."""
+                        out: torch.Tensor, tokens: torch.Tensor, use_kernel: bool) -> None:
+    """out[t] for the decode tokens t (`tokens`: their rows of q / out, one per decode token): the C kernel
+    where it applies, else the torch path over the view's index the backend built with the metadata (the
+    CPU backend builds none: its torch path runs only where the kernel cannot, and indexes on the spot)."""
     lib = _decode_kernel(q, kv_cache) if use_kernel else None
     if lib is not None:
-        _kernel_decode(lib, q, kv_cache, meta.decode, spec, out)
+        _kernel_decode(lib, q, kv_cache, meta.decode, spec, out, tokens)
         return
-    index = _decode_index(meta, spec.sliding_window, q.device, spec.chunk_size)
-    out[index["token_idx"]] = _decode(q[index["token_idx"]], kv_cache, index, spec)
+    index = meta.decode_index.get(spec.decode_view) or decode_index(meta.decode, meta.block_size, spec.decode_view)
+    out[tokens] = _decode(q[tokens], kv_cache, index, spec)
 
 
 def _decode_kernel(q: torch.Tensor, kv_cache: PagedKVCache) -> ctypes.CDLL | None:
@@ -169,14 +171,14 @@ def _decode_kernel(q: torch.Tensor, kv_cache: PagedKVCache) -> ctypes.CDLL | Non
 
 
 def _kernel_decode(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: PagedKVCache, batch: DecodeBatch,
-                   spec: AttentionSpec, out: torch.Tensor) -> None:
-    """The C kernel's decode attention: q rows batch.token_idx read, the same rows of out written.
+                   spec: AttentionSpec, out: torch.Tensor, tokens: torch.Tensor) -> None:
+    """The C kernel's decode attention: q rows `tokens` (one per decode token of batch) read, the same
+    rows of out written.
 
     Float32 q/out laid out [heads, dim] per token are used in place; otherwise (a bf16/f16 model) only
     the decode rows are gathered to float32 and the result cast back, so prefill tokens in the same
     step cost nothing here.
     """
-    tokens = batch.token_idx
     in_place = all(t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, out))
     q32 = q if in_place else q[tokens].float()
     out32 = out if in_place else torch.empty(q32.shape, dtype=torch.float32)
@@ -198,51 +200,41 @@ def _kernel_decode(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: PagedKVCache, ba
         out[tokens] = out32.to(out.dtype)
 
 
-def _decode_index(meta: AttentionMetadata, window: int | None, device: torch.device,
-                  chunk: int | None = None) -> dict:
-    """Block indices and mask for the torch path's batched decode rows; memoised per step, window and
-    attention chunk."""
-    key = ("decode", window, chunk)
-    if key in meta.cache:
-        return meta.cache[key]
-    batch = meta.decode
-    bs = meta.block_size
-    seq_lens = meta.decode_seq_lens
-    # First block each row needs: all for full attention, only the window's for sliding layers.
-    first = [0 if window is None else max(0, (n - window)) // bs for n in seq_lens]
+def decode_index(batch: DecodeBatch, block_size: int, view: DecodeView) -> DecodeIndex:
+    """Block indices and mask of the torch path's batched decode for one (window, chunk) view: each token
+    reads from the first block its view needs (all for full attention) to the last of its context."""
+    window, chunk = view
+    lens = batch.seq_lens
+    device = lens.device
+    first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0) // block_size
     if chunk is not None:  # from the block holding the start of the token's chunk
-        first = [max(f, (n - 1) // chunk * chunk // bs) for f, n in zip(first, seq_lens)]
-    last = [-(-n // bs) for n in seq_lens]
-    width = max(b - a for a, b in zip(first, last))
-    offsets = torch.arange(width, device=device)
-    first_t = torch.tensor(first, device=device)
-    table = batch.tables
-    # Past its last block a row re-reads that block (masked): padding and placeholders are never read.
-    cols = torch.minimum(first_t[:, None] + offsets[None, :], torch.tensor(last, device=device)[:, None] - 1)
-    blocks = torch.gather(table, 1, cols)  # [B, width]
-    k_pos = (first_t[:, None] * bs + torch.arange(width * bs, device=device)[None, :])
-    n = batch.seq_lens[:, None]
+        first = torch.maximum(first, (lens - 1) // chunk * chunk // block_size)
+    last = (lens + block_size - 1) // block_size
+    width = int((last - first).max())
+    # Past its last block a token re-reads that block (masked): padding and placeholders are never read.
+    cols = torch.minimum(first[:, None] + torch.arange(width, device=device)[None, :], last[:, None] - 1)
+    blocks = torch.gather(batch.tables, 1, cols)  # [B, width]
+    k_pos = first[:, None] * block_size + torch.arange(width * block_size, device=device)[None, :]
+    n = lens[:, None]
     visible = k_pos < n
     if window is not None:
         visible &= k_pos > n - 1 - window
     if chunk is not None:
         visible &= k_pos >= (n - 1) // chunk * chunk
-    index = {"token_idx": batch.token_idx, "blocks": blocks, "visible": visible}
-    meta.cache[key] = index
-    return index
+    return DecodeIndex(blocks, visible)
 
 
-def _decode(q: torch.Tensor, kv_cache: PagedKVCache, index: dict, spec: AttentionSpec) -> torch.Tensor:
-    """q: [B, heads, dim] → [B, heads, dim]; reads (and converts) only the blocks in index["blocks"]."""
+def _decode(q: torch.Tensor, kv_cache: PagedKVCache, index: DecodeIndex, spec: AttentionSpec) -> torch.Tensor:
+    """q: [B, heads, dim] → [B, heads, dim]; reads (and converts) only the blocks in index.blocks."""
     batch = q.shape[0]
     heads, dim = kv_cache.data.shape[-2:]
-    keys, values = kv_cache.gather(index["blocks"], q.dtype)
+    keys, values = kv_cache.gather(index.blocks, q.dtype)
     keys = keys.reshape(batch, -1, heads, dim).transpose(1, 2)  # [B, kvh, L, d]
     values = values.reshape(batch, -1, heads, dim).transpose(1, 2)
     group = spec.num_heads // spec.num_kv_heads
     qh = q.view(batch, spec.num_kv_heads, group, 1, dim)
     scores = _scores(qh, keys, spec)  # [B, kvh, g, 1, L]
-    scores = scores.masked_fill(~index["visible"][:, None, None, None, :], float("-inf"))
+    scores = scores.masked_fill(~index.visible[:, None, None, None, :], float("-inf"))
     probs = _softmax(scores, spec).to(q.dtype)
     out = _grouped_matmul(probs, values)  # [B, kvh, g, 1, d]
     return out.reshape(batch, spec.num_heads, dim)

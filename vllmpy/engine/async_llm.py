@@ -12,6 +12,9 @@ step's failure is attributed). Anything else that escapes the loop is a bug: the
 waiting and new request fails at once with EngineDeadError naming the cause, and `errored` turns true
 so that the server answers 503 and exits for its supervisor to restart it (as vLLM does when its engine
 core dies).
+
+The loop detokenizes only requests with stop strings (their stop pass reads text); `generate` makes the
+others' text as their outputs are read (engine/stream_text.py), overlapping the next step.
 """
 from __future__ import annotations
 
@@ -25,12 +28,14 @@ from typing import AsyncIterator
 
 from vllmpy.config import EngineConfig
 from vllmpy.engine.llm_engine import EngineStats, LLMEngine, PromptType
+from vllmpy.engine.stream_text import StreamText, needs_engine_text
 from vllmpy.lora.request import LoRARequest
 from vllmpy.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
 
 logger = logging.getLogger("vllmpy")
+_Item = RequestOutput | EmbeddingRequestOutput
 
 
 class EngineDeadError(RuntimeError):
@@ -62,8 +67,14 @@ class _Stream:
 
 
 class AsyncLLM:
+    # Whether generate() makes the text of requests the engine loop does not detokenize (stream_text.py);
+    # off for subclasses whose engines detokenize everything themselves.
+    _text_in_caller = False
+
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
+        self.engine.core.detokenize_every_request = False
+        self._text_in_caller = True
         self.tokenizer = self.engine.tokenizer
         self._commands: queue.Queue[AddCommand | AbortCommand] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -101,6 +112,8 @@ class AsyncLLM:
         request_id = request_id or f"req-{self.engine.new_request_id()}"
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream  # before the check: a loop dying now still sees this stream
+        text = StreamText(self.tokenizer, sampling_params.skip_special_tokens) if self._text_in_caller and \
+            isinstance(sampling_params, SamplingParams) and not needs_engine_text(sampling_params) else None
         finished = False
         try:
             if self._death is not None:
@@ -112,6 +125,8 @@ class AsyncLLM:
                 if isinstance(output, BaseException):
                     raise output  # the engine's ValueError for a bad request, or a failure naming it
                 finished = output.finished
+                if text is not None:
+                    output = text.fill(output)
                 yield _delta(output, sent) if delta else output
                 if finished:
                     return
@@ -140,6 +155,12 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def info_metrics(self) -> dict[str, dict[str, str]]:
+        """The engine's configuration as /metrics info-gauge labels (DPAsyncLLM's come from its engine 0)."""
+        from vllmpy.entrypoints.bench.header import info_metrics
+
+        return info_metrics(self.engine.core)
+
     def _send(self, command: AddCommand | AbortCommand) -> None:
         self._commands.put(command)
         self._wake.set()
@@ -152,6 +173,20 @@ class AsyncLLM:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
             pass
+
+    def _publish_step(self, outputs: list[_Item]) -> None:
+        """A step's outputs with one wake-up per caller loop, not one per output (each wake-up is a
+        self-pipe write and a pass of that loop, taken while the next step wants the GIL)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, _Item]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                pass
 
     def _drain_commands(self) -> None:
         while True:
@@ -184,8 +219,7 @@ class AsyncLLM:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
-                for output in self.engine.step():
-                    self._publish(output.request_id, output)
+                self._publish_step(self.engine.step())
         except BaseException as exc:  # a failure no request could be blamed for: the engine is unusable
             logger.critical("the engine loop died", exc_info=exc)
             self._die(f"the engine loop died: {type(exc).__name__}: {exc}")
@@ -195,6 +229,11 @@ class AsyncLLM:
         self._death = cause
         for request_id in list(self._streams):
             self._publish(request_id, EngineDeadError(cause))
+
+
+def _deliver(items: list[tuple[asyncio.Queue, _Item]]) -> None:
+    for stream_queue, output in items:
+        stream_queue.put_nowait(output)
 
 
 def _delta(output: RequestOutput, sent: dict[int, tuple[int, int]]) -> RequestOutput:

@@ -10,11 +10,14 @@ from vllmpy import profiling
 from vllmpy.attention.kv_dtype import announce_kv_cache_dtype, resolve_kv_cache_dtype
 from vllmpy.config import EngineConfig
 from vllmpy.distributed import DistributedEngineError, start_executor
+from vllmpy.distributed.pipeline import stage_cache_config
+from vllmpy.engine.batch_queue import BatchQueue
 from vllmpy.engine.kv_cache_spec import KVCacheConfig, KVCacheLayout
 from vllmpy.engine.recurrent_config import fit_to_pool, ssm_cache_dtype
 from vllmpy.engine.request import Request, RequestStatus
 from vllmpy.engine.schedule_types import ModelRunnerOutput, SchedulerOutput
 from vllmpy.engine.scheduler import Scheduler
+from vllmpy.engine.stream_text import needs_engine_text
 from vllmpy.layers.pooler import Pooler, classifier_activation, pooler_config, sentence_transformers_max_len
 from vllmpy.loader.model_loader import Checkpoint, build_model, open_checkpoint, resolve_device, resolve_dtype
 from vllmpy.lora.manager import LoRAManager
@@ -22,10 +25,13 @@ from vllmpy.lora.request import LoRARequest
 from vllmpy.models.registry import POOLING_TASKS, resolve_model_class, resolve_task
 from vllmpy.multimodal.processor import MultiModalProcessor
 from vllmpy.multimodal.scheduling import encoder_scheduler_for
-from vllmpy.runner.memory import CPU_AUTO_KV_CAP, available_memory_bytes, size_kv_pool
+from vllmpy.runner.memory import CPU_AUTO_KV_CAP, available_memory_bytes, size_kv_pools
 from vllmpy.runner.model_runner import ModelRunner
 from vllmpy.sampling.logits_processors import resolve_logits_processors
+from vllmpy.spec_decode.draft_checkpoint import load_draft_model
+from vllmpy.spec_decode.draft_model import DraftModelProposer
 from vllmpy.spec_decode.drafter import build_drafter
+from vllmpy.spec_decode.mtp import MTPProposer, check_mtp_target, load_mtp_draft
 from vllmpy.structured_output.manager import StructuredOutputManager
 from vllmpy.tokenizer import IncrementalDetokenizer
 
@@ -49,12 +55,16 @@ class EngineCore:
         # --tensor-parallel-size > 1: worker processes load the other shards meanwhile (vllmpy/distributed)
         self.executor = start_executor(config, self.checkpoint.config, self.device, self.dtype, self.task,
                                        self.max_model_len)
+        mtp = check_mtp_target(config, self.checkpoint)  # MTP speculation: refused here, before any weight loads
         # Models may depend on the serving length (LongRoPE picks its frequencies by it).
         self.model = build_model(self.checkpoint, self.dtype, self.device, self.task, self.max_model_len,
-                                 None if self.executor is None else self.executor.group)
+                                 None if self.executor is None else self.executor.group, keep_mtp=mtp)
         if self.task == "classify":  # the model's head turns the pooled state into logits
             self.pooler = Pooler(self.pooler.config, self.model.classify, classifier_activation(self.checkpoint.config))
         self.tokenizer = self.checkpoint.tokenizer
+        # False (AsyncLLM): only requests whose stop pass reads text are detokenized here; the caller
+        # makes the others' text (engine/stream_text.py)
+        self.detokenize_every_request = True
         self.vocab_size = self.checkpoint.config["vocab_size"]
         self.eos_token_ids = self.checkpoint.eos_token_ids
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, self.checkpoint.path,
@@ -63,28 +73,40 @@ class EngineCore:
         layout = KVCacheLayout.from_specs(self.model.kv_cache_specs(
             config.cache.block_size, self.kv_cache_dtype.dtype, ssm_cache_dtype(config.cache.mamba_ssm_cache_dtype)),
             self.max_model_len)
-        size = size_kv_pool(
-            config.cache, layout, available_memory_bytes(self.device), self.max_model_len,
-            config.scheduler.max_num_batched_tokens, max_num_seqs=config.scheduler.max_num_seqs,
+        # draft_model speculation: the draft loads now, so the pool budget covers its own KV cache too
+        draft = load_mtp_draft(config, self.checkpoint, self.model, self.device, self.dtype, self.max_model_len) \
+            if mtp else load_draft_model(config, self.checkpoint, self.device, self.dtype, self.max_model_len)
+        size, draft_size = size_kv_pools(
+            config.cache, layout, None if draft is None else draft.layout, available_memory_bytes(self.device),
+            self.max_model_len, config.scheduler.max_num_batched_tokens, max_num_seqs=config.scheduler.max_num_seqs,
             cap_bytes=CPU_AUTO_KV_CAP if self.device.type == "cpu" else None)
         logger.info(size.info)
-        config = self.config = fit_to_pool(config, layout, size, self._arch)  # seats bound max_num_seqs
+        if draft_size is not None:
+            logger.info(draft_size.info)
+        config = self.config = fit_to_pool(config, layout, size)  # seats bound max_num_seqs
         self.num_blocks = size.num_blocks
-        self.kv_cache_config = KVCacheConfig(size.num_blocks, layout, size.num_seats)
+        self.kv_cache_config = KVCacheConfig(size.num_blocks, layout, size.num_seats, size.num_snapshots)
         # --enable-lora: every adaptable linear layer gets adapter slots (vllmpy/lora)
         self.lora = LoRAManager(self.model, config.lora, self.device, self.dtype) if config.lora.enable_lora else None
-        self.runner = ModelRunner(self.model, self.device, self.dtype, self.kv_cache_config,
-                                  self.vocab_size, self.eos_token_ids,
+        # a pipeline stage allocates the pages of its own layers only (the scheduler's pool is the whole model's)
+        self.runner = ModelRunner(self.model, self.device, self.dtype,
+                                  stage_cache_config(self.kv_cache_config, self.model), self.vocab_size, self.eos_token_ids,
                                   StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                                           config.model.structured_outputs_config),
                                   resolve_logits_processors(config.model.logits_processors), self.pooler,
                                   lora=self.lora)
         if self.executor is not None:  # the workers size their KV shards by the driver's layout
             self.executor.start(self.runner, self.kv_cache_config)
-        drafter = build_drafter(config.model.speculative_config, layout, self.task)
+        proposer = None if draft is None else (MTPProposer if mtp else DraftModelProposer).build(
+            draft, draft_size.num_blocks, self.device, self.dtype, config.scheduler.max_num_batched_tokens)
+        if mtp:  # the MTP block reads the target's hidden states of every step
+            self.runner.hidden_observer = proposer.observe
+        drafter = build_drafter(config.model.speculative_config, layout, self.task, proposer)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_cache_config, self.max_model_len, drafter,
                                    max_loras=config.lora.max_loras if self.lora is not None else None,
                                    encoder=encoder_scheduler_for(self.model, config.scheduler))
+        pp = config.parallel.pipeline_parallel_size  # > 1: up to pp micro-batches in flight
+        self.batch_queue = BatchQueue(self.scheduler, self.executor, pp) if pp > 1 else None
         # Images: None for a text-only model (a prompt with images is then refused naming the model).
         self.mm_processor = MultiModalProcessor.for_model(self.model, self.checkpoint.path, self.tokenizer,
                                                           config.model.limit_mm_per_prompt)
@@ -143,8 +165,9 @@ class EngineCore:
         room = self.max_model_len - prompt_len
         request.max_tokens = min(request.max_tokens or room, room)
         request.eos_token_ids = self.eos_token_ids
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                     request.sampling_params.skip_special_tokens)
+        if self.detokenize_every_request or needs_engine_text(request.sampling_params):
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                         request.sampling_params.skip_special_tokens)
         self.scheduler.add_request(request)
 
     @property
@@ -186,7 +209,7 @@ class EngineCore:
             self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or (self.batch_queue is not None and self.batch_queue.busy)
 
     def step(self) -> tuple[list[Request], ModelRunnerOutput | None, SchedulerOutput]:
         """One engine iteration; returns the requests that changed (new tokens or finished).
@@ -200,6 +223,8 @@ class EngineCore:
         is the batch's more often than one prompt's. The scheduler's own failures propagate: its block
         accounting can no longer be trusted, so the engine must stop.
         """
+        if self.batch_queue is not None:  # pipeline parallel (no pooling models there)
+            return self.batch_queue.step()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return [], None, scheduler_output

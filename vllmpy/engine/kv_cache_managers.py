@@ -27,8 +27,9 @@ class SingleTypeManager(ABC):
         self.block_size = spec.block_size
         self.tables: dict[str, list[KVBlock | None]] = {}
 
-    def block_ids(self, req_id: str) -> list[int]:
-        return [PLACEHOLDER_ID if block is None else block.block_id for block in self.tables.get(req_id, ())]
+    def block_ids(self, req_id: str, start: int = 0) -> list[int]:
+        """The request's table entries from position `start` on."""
+        return [PLACEHOLDER_ID if block is None else block.block_id for block in self.tables.get(req_id, [])[start:]]
 
     @abstractmethod
     def find_hit(self, hashes: Sequence[BlockHash], max_blocks: int, key_of: KeyOf) -> list[KVBlock | None]:

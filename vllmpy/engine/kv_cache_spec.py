@@ -217,6 +217,7 @@ class KVCacheConfig:
     num_blocks: int
     layout: KVCacheLayout
     num_seats: int = 0  # recurrent-state seats (the most running requests); 0 without recurrent layers
+    num_snapshots: int = 0  # recurrent-state prefix-cache snapshot slots (engine/recurrent_snapshots.py)
 
     @property
     def groups(self) -> tuple[KVCacheGroup, ...]:

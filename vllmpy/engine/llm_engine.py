@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Union
 
 from vllmpy.config import EngineConfig
+from vllmpy.distributed.config import refuse_offline_data_parallel
 from vllmpy.engine.core import EngineCore
 from vllmpy.engine.fault_injection import FaultInjector
 from vllmpy.engine.output_processor import OutputProcessor, named_error
@@ -42,10 +43,13 @@ class EngineStats:
     max_loras: int = 0  # 0: LoRA is off
     running_lora_adapters: dict[str, int] = field(default_factory=dict)  # adapter name -> requests
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    recurrent_snapshot_hits: int = 0  # prefix hits resumed from a recurrent-state snapshot (hybrid models)
+    recurrent_snapshot_bytes: int = 0  # recurrent state the published snapshots hold
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        refuse_offline_data_parallel(config.parallel)
         self.config = config
         self.core = EngineCore(config)
         self.tokenizer = self.core.tokenizer
@@ -165,7 +169,8 @@ class LLMEngine:
         drafter = self.core.scheduler.drafter
         return EngineStats(**{k: s[k] for k in ("num_running", "num_waiting", "kv_cache_usage",
                                                  "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
-                                                 "running_lora_adapters", "waiting_lora_adapters")},
+                                                 "running_lora_adapters", "waiting_lora_adapters",
+                                                 "recurrent_snapshot_hits", "recurrent_snapshot_bytes")},
                            max_loras=self.config.lora.max_loras if self.core.lora is not None else 0,
                            prompt_tokens_total=self.prompt_tokens_total,
                            generation_tokens_total=self.generation_tokens_total,

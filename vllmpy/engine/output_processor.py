@@ -2,6 +2,8 @@
 
 The text is the core's: its stop pass (engine/stop.py) detokenizes each new token to match stop strings,
 so each request carries its detokenizer and the cut a stop string made; nothing here stops a request.
+Under AsyncLLM only requests with stop strings have a detokenizer: the others' text is "" here and
+AsyncLLM.generate makes it (engine/stream_text.py).
 
 Each request is processed under its own guard: an exception fails that user request (all its sequences,
 since its response is an error anyway) and the others of the step go on.
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vllmpy.engine.fault_injection import FaultInjector
 from vllmpy.engine.request import Request
@@ -177,9 +179,11 @@ class OutputProcessor:
         return seq.text[:max(0, len(seq.text) - hold)] if hold else seq.text
 
     def make_output(self, parent: ParentState) -> RequestOutput:
+        """A snapshot: the lists and metrics the engine goes on mutating are copied, since AsyncLLM's caller
+        reads an output while later steps run (a shared one would show their tokens and times)."""
         outputs = [CompletionOutput(index=s.index, text=self.visible_text(s),
-                                    token_ids=list(s.request.output_token_ids),
-                                    cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
+                                    token_ids=list(s.request.output_token_ids), cumulative_logprob=s.cumulative_logprob,
+                                    logprobs=None if s.logprobs is None else list(s.logprobs),
                                     finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                    for s in parent.sequences]
         errors = [s.error for s in parent.sequences if s.error]
@@ -187,7 +191,7 @@ class OutputProcessor:
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
                              prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
                              outputs=outputs, finished=parent.finished,
-                             num_cached_tokens=max(first.num_cached_tokens, 0), metrics=parent.metrics,
+                             num_cached_tokens=max(first.num_cached_tokens, 0), metrics=replace(parent.metrics),
                              error=errors[0] if errors else None)
 
     def remove(self, parent: ParentState) -> None:

@@ -31,12 +31,21 @@ class ScheduledChunk:
     req_id: str
     token_ids: list[int]  # tokens fed to the model this step
     start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
-    block_ids: tuple[list[int], ...]  # the request's whole block table in each KV cache group
+    # Per KV cache group, the request's table entries added since its last chunk: the whole table on its
+    # first schedule and on resuming after preemption (it is then in new_requests), else only the blocks
+    # allocated since (most steps: none or one). The runner keeps the tables (runner/block_table.py).
+    # A model with recurrent layers appends the request's seat, [seat], every step.
+    new_block_ids: tuple[list[int], ...]
     sample: bool  # chunk ends at the request's last known token: sample the next one (or pool the prompt)
     # The last num_draft_tokens of token_ids are speculative drafts to verify (never before the last known
     # token); the runner then returns 1..num_draft_tokens + 1 tokens for this chunk.
     num_draft_tokens: int = 0
     encoder_inputs: list[int] = field(default_factory=list)  # its images (mm_features indices) to encode now
+    # Recurrent layers with prefix caching (engine/recurrent_snapshots.py): the snapshot slot a prefix hit's
+    # seat is filled from before its first chunk, and (tokens into the chunk, slot) for every snapshot
+    # boundary this prefill chunk crosses (its state there is written to that slot).
+    resume_snapshot: int | None = None
+    save_snapshots: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -46,7 +55,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # the runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests whose block tables lost their tail (blocks of rejected drafts) since the last step: the
-    # number of blocks each group's table kept. Their chunks' block_ids are the new whole tables.
+    # number of blocks each group's table kept. Their chunks' new_block_ids continue from there.
     trimmed_blocks: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -18,6 +18,7 @@ from vllmpy.engine.schedule_types import ModelRunnerOutput, NewRequestData, Sche
 from vllmpy.engine.stop import apply_new_tokens
 from vllmpy.multimodal.scheduling import EncoderScheduler
 from vllmpy.spec_decode.drafter import Drafter
+from vllmpy.spec_decode.proposer import DraftRequest
 
 # Above this many waiting requests lpm falls back to fcfs for the step, bounding the lookup cost
 # (SGLang does the same).
@@ -36,6 +37,8 @@ class SchedulerStats:
     num_preemptions: int  # total since start
     running_lora_adapters: dict[str, int] = field(default_factory=dict)  # adapter name -> running requests
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    recurrent_snapshot_hits: int = 0  # admissions that resumed a recurrent state from a prefix snapshot
+    recurrent_snapshot_bytes: int = 0  # recurrent state held by published snapshots
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -73,6 +76,9 @@ class Scheduler:
         self._trimmed: dict[str, int] = {}  # block tables shortened since the last step (SchedulerOutput)
         self.max_loras = max_loras  # --max-loras with LoRA on: most distinct adapters among running requests
         self.encoder = encoder  # image rules for a model that takes images (None: text only)
+        # Pipeline parallel: requests of micro-batches whose output has not come back (engine/batch_queue.py).
+        # They are not scheduled, preempted or reported finished to the runner until it has.
+        self.in_flight: set[str] = set()
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -119,17 +125,24 @@ class Scheduler:
             if self.encoder is not None:
                 self.encoder.forget(req_id)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_requests: int | None = None) -> SchedulerOutput:
+        """max_requests: most requests in this batch (pipeline parallel spreads them over micro-batches)."""
         budget = self.config.max_num_batched_tokens
+        limit = self.config.max_num_seqs if max_requests is None else max_requests
         chunks: dict[str, ScheduledChunk] = {}
         preempted: set[str] = set()
         drafting = self.drafter is not None and self.drafter.enabled_for(len(self.running))
+        if drafting:  # the step's running decodes at once: a draft model drafts for them in batched forwards
+            self.drafter.begin_step([DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens, room)
+                                     for r in self.running if (room := self._draft_room(r)) > 0])
         if self.encoder is not None:
             self.encoder.begin_step()
 
         for request in list(self.running):
-            if budget == 0:
+            if budget == 0 or len(chunks) >= limit:
                 break
+            if request.request_id in self.in_flight:
+                continue
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             # Until it gets its blocks or is itself the victim (then it waits for a later step).
@@ -158,7 +171,7 @@ class Scheduler:
         if not preempted:
             loras = self._running_loras()
             for request in self._waiting_in_policy_order():
-                if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                if budget == 0 or len(self.running) >= self.config.max_num_seqs or len(chunks) >= limit:
                     break
                 lora = request.lora_request
                 if (lora is not None and self.max_loras is not None and lora.lora_int_id not in loras
@@ -192,7 +205,8 @@ class Scheduler:
                 self._commit_images(request, chunks[request.request_id], images)
                 budget -= num_new
 
-        finished, self._finished_ids = self._finished_ids, set()
+        finished = self._finished_ids - self.in_flight
+        self._finished_ids -= finished
         trimmed, self._trimmed = self._trimmed, {}
         return SchedulerOutput(chunks=list(chunks.values()), new_requests=new_requests,
                                finished_req_ids=finished, preempted_req_ids=preempted, trimmed_blocks=trimmed)
@@ -232,13 +246,16 @@ class Scheduler:
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a running decode (one token behind), within the step's budget, max_tokens and
         max_model_len: the step may add drafts + 1 tokens to the request."""
-        if request.is_pooling or request.num_tokens - request.num_computed_tokens != 1:
-            return []
-        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
-                   self.max_model_len - request.num_tokens - 1)
+        room = min(budget - 1, self._draft_room(request))
         if room <= 0:
             return []
         return self.drafter.propose(request.request_id, request.all_token_ids, request.num_prompt_tokens, room)
+
+    def _draft_room(self, request: Request) -> int:
+        """Most drafts max_tokens and max_model_len leave a running decode (0 for anything else)."""
+        if request.is_pooling or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        return min(request.max_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens - 1)
 
     def _settle_drafts(self, request: Request, chunk: ScheduledChunk, num_sampled: int) -> None:
         """Keep the KV of the accepted drafts only: computed tokens go back to the verified ones, blocks
@@ -259,7 +276,8 @@ class Scheduler:
             kv_cache_usage=self.kv.usage, num_free_blocks=self.kv.num_free_blocks,
             num_blocks=self.kv.num_blocks, prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
-            running_lora_adapters=_count_adapters(self.running), waiting_lora_adapters=_count_adapters(self.waiting))
+            running_lora_adapters=_count_adapters(self.running), waiting_lora_adapters=_count_adapters(self.waiting),
+            recurrent_snapshot_hits=self.kv.snapshot_hits, recurrent_snapshot_bytes=self.kv.snapshot_bytes)
 
     def _fit_images(self, request: Request, start: int, num_new: int) -> tuple[int, list[int]]:
         """The chunk shortened to what its images allow (multimodal/scheduling.py), and the images to encode."""
@@ -280,10 +298,12 @@ class Scheduler:
         v1); update_from_output rolls the rejected drafts back."""
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new + len(drafts)
+        resume, snapshots = self.kv.snapshot_plan(request, start, num_new, len(drafts))  # recurrent layers
         return ScheduledChunk(
             req_id=request.request_id, token_ids=request.all_token_ids[start:start + num_new] + list(drafts),
-            start_pos=start, block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens, num_draft_tokens=len(drafts))
+            start_pos=start, new_block_ids=self.kv.new_block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens, num_draft_tokens=len(drafts), resume_snapshot=resume,
+            save_snapshots=snapshots)
 
     def _waiting_in_policy_order(self) -> list[Request]:
         policy = self.config.scheduling_policy
@@ -296,14 +316,17 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         """The lowest-priority running request: the latest arrival (or largest priority value)."""
+        candidates = [r for r in self.running if r.request_id not in self.in_flight]
         if self.config.scheduling_policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return max(self.running, key=lambda r: r.arrival_time)
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return max(candidates, key=lambda r: r.arrival_time)
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks; it recomputes from scratch (prefix cache permitting) later."""
         self.running.remove(request)
         self.kv.free(request)
+        if self.drafter is not None:
+            self.drafter.preempt(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         if self.encoder is not None:

@@ -49,6 +49,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
                    help="storage of recurrent layers' SSM / delta-rule state (Mamba2, Gated DeltaNet); auto = "
                         "float32")
+    g.add_argument("--recurrent-snapshot-fraction", type=float, default=0.1,
+                   help="share of the KV pool that prefix-cache snapshots of recurrent layers' state may take "
+                        "(one per 64 prompt tokens; Mamba2 / Gated DeltaNet / short-conv models)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="automatic prefix caching")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
@@ -78,11 +81,15 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split every layer over N worker processes (gloo on CPU, NCCL on CUDA)")
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="only 1 (not built yet)")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="only 1 (not built yet)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the layers into N stages, one per worker process, with up to N micro-batches in "
+                        "flight (dense Llama-style decoders; not combined with --tensor-parallel-size yet)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="vllm-server: N engine processes (each a whole engine, -tp ranks apiece) behind one "
+                        "server, requests to the least-loaded with prefix-cache affinity; offline: only 1")
     g.add_argument("--distributed-executor-backend", default=None, choices=EXECUTOR_BACKENDS,
-                   help="mp: worker processes on this host (the default when --tensor-parallel-size > 1); "
-                        "uni: one process; ray: not built yet")
+                   help="mp: worker processes on this host (the default when -tp or -pp > 1); uni: one process; "
+                        "ray: Ray actors on the cluster RAY_ADDRESS names (pip install 'vllmpy[ray]')")
 
 
 def add_image_args(parser: argparse.ArgumentParser) -> None:

@@ -1,13 +1,14 @@
 """CPU kernels in C, built for this machine on first use: compute on GGML blocks (ggml_blocks.c),
 decode attention read in place from the paged KV cache (paged_attention.c), and RMSNorm / rotary /
-the gated MLP activation / the sampler's row max and argmax in one call each (layer_ops.c).
+the gated MLP activation / the sampler's row max and argmax in one call each (layer_ops.c), and the
+recurrent layers' decode updates on their seats (recurrent_ops.c).
 
 Each C source ships in the package and is compiled once with the system C compiler into the cache
 (`$VLLMPY_CACHE/kernels`, keyed by source, flags and CPU), then loaded with ctypes. Linking OpenMP
 resolves to the libgomp torch already loaded, so the kernels and torch share one thread pool.
 Where no compiler works each accessor is None and callers keep their torch paths: GGUF weights are
-dequantized at load, decode attention gathers the KV blocks, norms, rotary, gated activations and row
-maxima run as torch ops.
+dequantized at load, decode attention gathers the KV blocks, norms, rotary, gated activations, row
+maxima and recurrent decode steps run as torch ops.
 """
 from __future__ import annotations
 
@@ -157,6 +158,26 @@ def layer_kernels() -> ctypes.CDLL | None:
                            "gated activations and row maxima run as torch ops"),
                      "layer ops", ("vq_rms_norm", "vq_add_rms_norm", "vq_rope", "vq_row_max",
                                     "vq_gated_act"))
+
+
+def _bind_recurrent(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.vq_conv_update.argtypes = [_PTR, _I64, _PTR, _INT, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT, _INT]
+    lib.vq_mamba2_step.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _INT, _PTR, _PTR,
+                                   _I64, _I64, _I64, _I64, _I64, _INT]
+    lib.vq_gated_delta_step.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _INT, _PTR, _PTR,
+                                        _I64, _I64, _I64, _I64, _I64, _FLOAT, _INT]
+    for fn in (lib.vq_conv_update, lib.vq_mamba2_step, lib.vq_gated_delta_step):
+        fn.restype = None
+    return lib
+
+
+@functools.cache
+def recurrent_kernels() -> ctypes.CDLL | None:
+    """The recurrent layers' decode updates (conv window, Mamba2 SSM step, gated delta step) on their seats in
+    place, or None (with a one-line notice) where it cannot be built. Timed with the layer ops."""
+    return _profiled(_load("recurrent_ops.c", _bind_recurrent, "recurrent CPU kernels unavailable (%s); "
+                           "recurrent decode steps run as torch ops"),
+                     "layer ops", ("vq_conv_update", "vq_mamba2_step", "vq_gated_delta_step"))
 
 
 @functools.cache

@@ -501,6 +501,8 @@ static inline qv block32_q(int type, const uint8_t *b) {
     switch (type) {
     case 2: return _mm512_sub_epi16(nibbles32_i16(b + 2), _mm512_set1_epi16(8));
     case 3: return nibbles32_i16(b + 4);
+    case 200: return nibbles32_i16(b + 3); /* Q4Z: unsigned codes, the zero a min term */
+    case 201: return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + 4))); /* Q8Z */
     case 6: /* (n | 16 * bit) - 16: subtract 16 where the bit is clear */
         memcpy(&qh, b + 2, 4);
         return _mm512_mask_sub_epi16(nibbles32_i16(b + 6), (__mmask32)~qh, nibbles32_i16(b + 6), _mm512_set1_epi16(16));
@@ -542,6 +544,10 @@ static inline __m256i block32_i8(int type, const uint8_t *b) {
         return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
     case 3: /* Q4_1 */
         return nibbles32(b + 4);
+    case 200: /* Q4Z: unsigned codes, the zero a min term */
+        return nibbles32(b + 3);
+    case 201: /* Q8Z */
+        return _mm256_loadu_si256((const __m256i *)(b + 4));
     case 6: /* Q5_0 */
         memcpy(&qh, b + 2, 4);
         return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(qh)), _mm256_set1_epi8(16));
@@ -577,12 +583,21 @@ static inline __m128i halves4(const uint8_t *p, int stride, int n) {
     return _mm_cvtsi64_si128((int64_t)w);
 }
 
+/* Q4Z / Q8Z: the min -d * zero of n <= 4 blocks (zeros past n), exact in float32 (an fp16 d times a zero
+ * of at most 9 bits), so d * (q - zero) is computed as Q4_1's d * q + m. */
+static inline __m128 zero_mins4(int type, const uint8_t *group, int block_bytes, int n, __m128 d) {
+    float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i = 0; i < n; i++)
+        z[i] = (float)(type == 200 ? group[i * block_bytes + 2] : rd_i16(group + i * block_bytes + 2));
+    return _mm_mul_ps(d, _mm_sub_ps(_mm_setzero_ps(), _mm_loadu_ps(z)));
+}
+
 /* Row . x over 32-value blocks, 4 blocks at a time, for `rows` activation rows x[0..rows) sharing
  * each block's integers: out[r] = sum_b d_b * scale_b * (q_b . X_b), plus m_b * (scale_b * sum X_b)
  * for the types with a min. */
 FORCE_INLINE void row_dot32(int type, int block_bytes, const uint8_t *row, const FixedRow *x, int rows, int64_t nb,
                             float *out) {
-    const int has_min = type == 3 || type == 7;
+    const int has_min = type == 3 || type == 7 || type == 200 || type == 201;
     fv acc0[SHARE], acc1[SHARE]; /* two chains per row: an FMA's latency exceeds a block's work */
     __m128 mins[SHARE];
     for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = fv_zero(), mins[r] = _mm_setzero_ps();
@@ -598,8 +613,9 @@ FORCE_INLINE void row_dot32(int type, int block_bytes, const uint8_t *row, const
         }
         __asm__("" : "+m"(scale)); /* reread from memory: a broadcast load per block, not two shuffles */
         if (has_min) {
-            const __m128i mh = n == 4 ? halves4(group + 2, block_bytes, 4) : halves4(group + 2, block_bytes, n);
-            const __m128 m = _mm_cvtph_ps(mh);
+            const __m128i mh = type == 200 || type == 201 ? _mm_setzero_si128()
+                               : n == 4 ? halves4(group + 2, block_bytes, 4) : halves4(group + 2, block_bytes, n);
+            const __m128 m = type == 200 || type == 201 ? zero_mins4(type, group, block_bytes, n, d) : _mm_cvtph_ps(mh);
             for (int r = 0; r < rows; r++) mins[r] = _mm_fmadd_ps(m, _mm_loadu_ps(x[r].sum + b0), mins[r]);
         }
         if (n == 4) {
@@ -944,6 +960,8 @@ FORCE_INLINE void row_dots(int type, const uint8_t *row, const FixedRow *x, int 
     case 6: row_dot32(6, 22, row, x, rows, k / 32, out); break;
     case 7: row_dot32(7, 24, row, x, rows, k / 32, out); break;
     case 20: row_dot32(20, 18, row, x, rows, k / 32, out); break;
+    case 200: row_dot32(200, 19, row, x, rows, k / 32, out); break;
+    case 201: row_dot32(201, 36, row, x, rows, k / 32, out); break;
     case 12: row_dot_k45(12, 144, row, x, rows, k / QK_K, out); break;
     case 13: row_dot_k45(13, 176, row, x, rows, k / QK_K, out); break;
     case 14: row_dot_q6_k(row, x, rows, k / QK_K, out); break;
@@ -988,7 +1006,7 @@ static void fixed_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t r0
     switch (type) {
 #define FIXED_ROWS(T) case T: fixed_rows_of(T, w, row_bytes, r0, r1, k, x, m_rows, y, ldy); break;
     FIXED_ROWS(2) FIXED_ROWS(3) FIXED_ROWS(6) FIXED_ROWS(7) FIXED_ROWS(8) FIXED_ROWS(20) FIXED_ROWS(12) FIXED_ROWS(13)
-    FIXED_ROWS(14) FIXED_ROWS(39)
+    FIXED_ROWS(14) FIXED_ROWS(39) FIXED_ROWS(200) FIXED_ROWS(201)
 #undef FIXED_ROWS
     }
 }
@@ -1641,7 +1659,8 @@ void vq_matmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t
                float *y, int64_t ldy, int threads) {
     const Format *f = find(type);
 #ifdef HAVE_ROW_DOT
-    if ((has_row_dot(type) || type == 39) && m_rows <= 64 && /* MXFP4: row dots, no small-batch panels */
+    if ((has_row_dot(type) || type == 39 || type == 200 || type == 201) && m_rows <= 64 &&
+        /* MXFP4, Q4Z, Q8Z: row dots, no small-batch panels */
         fixed_matmul(type, w, row_bytes, n, k, x, m_rows, y, ldy, threads))
         return;
 #endif

@@ -8,12 +8,17 @@ is the reference). Both keep S in float32 (or the --mamba-ssm-cache-dtype seat d
 """
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.layers.linear import Linear, MergedLinear
+from vllmpy.layers.recurrent_kernels import conv_update, decode_kernels
+from vllmpy.layers.recurrent_kernels import gated_delta_step as gated_delta_step_kernel
 from vllmpy.layers.recurrent_state import RecurrentMetadata, RecurrentState, RecurrentStateSpec
 
 CHUNK = 64  # transformers' and FLA's chunk size
@@ -25,9 +30,11 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                           state: torch.Tensor, chunk: int = CHUNK, save_at: Sequence[int] = (),
+                           saved: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's prefill. q, k [T, H, Dk] (normalized and scaled), v [T, H, Dv], g (log decay <= 0) and
-    beta [T, H], state [H, Dk, Dv] float32 -> (out [T, H, Dv] float32, final state [H, Dk, Dv]).
+    beta [T, H], state [H, Dk, Dv] float32 -> (out [T, H, Dv] float32, final state [H, Dk, Dv]). For each
+    o in `save_at` (1..T) the state after the first o tokens is appended to `saved` (snapshots, verification).
 
     Within a chunk with cumulative decay G_i, the writes u_i = beta_i (v_i - exp(G_i) S0^T k_i -
     sum_{j<i} exp(G_i - G_j) (k_j . k_i) u_j) are a unit lower-triangular system, solved for all chunks
@@ -56,10 +63,21 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     chunk_decay = cum[..., -1].exp()[..., None, None]
     out = torch.empty_like(writes)
     s = state.float()
+    ends: dict[int, list[int]] = {}  # chunk -> offsets in it after which the state is saved
+    for offset in save_at:
+        ends.setdefault((offset - 1) // chunk, []).append(offset)
     for i in range(n):
         u = writes[:, i] - from_state[:, i] @ s
         out[:, i] = q_decayed[:, i] @ s + scores[:, i] @ u
+        start = s
         s = s * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ u
+        for offset in ends.get(i, ()):  # the chunk's start state decayed through j, plus its first j + 1 writes
+            j = (offset - 1) % chunk
+            if offset == length or j == chunk - 1:  # the chunk's end (the padded tail writes nothing)
+                saved.append(s)
+                continue
+            to_j = k[:, i, :j + 1] * (cum[:, i, j:j + 1] - cum[:, i, :j + 1]).exp().unsqueeze(-1)
+            saved.append(start * cum[:, i, j].exp()[:, None, None] + to_j.transpose(-1, -2) @ u[:, :j + 1])
     out = out.reshape(heads, n * chunk, -1)[:, :length].transpose(0, 1)
     return out, s
 
@@ -203,6 +221,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: RecurrentState, meta: RecurrentMetadata) -> torch.Tensor:
         conv_states, ssm_states = state
         mixed, z, b, a = self.project(x)
+        if not meta.prefill_rows and (lib := decode_kernels(*state)) is not None:
+            return self._output(self._decode_with_kernels(lib, mixed, a, b, state, meta), z, x.dtype)
         mixed = F.silu(self._conv(mixed, conv_states, meta))
         tokens = x.shape[0]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -214,17 +234,30 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(tokens, self.num_v_heads, self.v_dim)
         beta = torch.sigmoid(b).float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = self._delta_rule(q, k, v, g, beta, ssm_states, meta).to(x.dtype)
-        out = self.norm(out.reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
-        return self.out_proj(out.reshape(tokens, self.value_dim))
+        return self._output(self._delta_rule(q, k, v, g, beta, ssm_states, meta), z, x.dtype)
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The delta rule's output [T, Hv, Dv] float32 through the gated norm and out_proj."""
+        out = self.norm(out.to(dtype).reshape(-1, self.v_dim), z.reshape(-1, self.v_dim))
+        return self.out_proj(out.reshape(-1, self.value_dim))
+
+    def _decode_with_kernels(self, lib: ctypes.CDLL, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                             state: RecurrentState, meta: RecurrentMetadata) -> torch.Tensor:
+        """A decode-only step in two C calls (conv window + SiLU; l2 norms, gates and the delta rule) on the
+        seats in place -> out [B, Hv, Dv] float32."""
+        conv_states, ssm_states = state
+        mixed = conv_update(lib, mixed, self.conv1d.weight[:, 0], None, conv_states, meta.seat_ids, silu=True)
+        return gated_delta_step_kernel(lib, mixed, a, b, self.A_log, self.dt_bias, ssm_states, meta.seat_ids,
+                                       self.num_k_heads, self.k_dim)
 
     def _conv(self, mixed: torch.Tensor, conv_states: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
         weight = self.conv1d.weight[:, 0]
         if not meta.prefill_rows:  # every chunk is one token: the step update
             out, new = causal_conv1d_step(mixed, weight, None, conv_states.index_select(0, meta.seat_ids))
         else:
-            out, new = causal_conv1d(mixed, weight, None, conv_states.index_select(0, meta.seat_ids),
-                                     meta.query_start_loc)
+            before = conv_states.index_select(0, meta.seat_ids)
+            meta.store_windows(conv_states, before, mixed)
+            out, new = causal_conv1d(mixed, weight, None, before, meta.query_start_loc)
         conv_states.index_copy_(0, meta.seat_ids, new.to(conv_states.dtype))
         return out
 
@@ -245,7 +278,11 @@ class GatedDeltaNet(nn.Module):
                 ssm_states.index_copy_(0, seats, s.to(ssm_states.dtype))
         for row in meta.prefill_rows:
             lo, hi, seat = meta.query_start_loc[row], meta.query_start_loc[row + 1], meta.seats[row]
-            o, s = chunk_gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], ssm_states[seat])
+            saved: list[torch.Tensor] = []
+            o, s = chunk_gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], ssm_states[seat],
+                                          save_at=meta.wanted.get(row, ()), saved=saved)
             out[lo:hi] = o
             ssm_states[seat] = s.to(ssm_states.dtype)
+            if saved:
+                meta.store(ssm_states, row, saved)
         return out

@@ -9,6 +9,9 @@ the reference; both compute in float32 and the seat keeps S in --mamba-ssm-cache
 """
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -16,6 +19,7 @@ from torch.nn import functional as F
 from vllmpy.layers.activation import get_activation
 from vllmpy.layers.gated_delta_net import causal_conv1d, causal_conv1d_step
 from vllmpy.layers.linear import Linear
+from vllmpy.layers.recurrent_kernels import conv_update, decode_kernels, mamba2_step
 from vllmpy.layers.recurrent_state import RecurrentMetadata, RecurrentState, RecurrentStateSpec
 
 
@@ -27,9 +31,11 @@ MAX_SCAN_CHUNK = 128
 
 
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                   state: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   state: torch.Tensor, chunk: int, save_at: Sequence[int] = (),
+                   saved: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence: x [L, H, P], dt [L, H] (after softplus), a [H] (negative), b, c [L, G, N], state
-    [H, P, N] -> (y [L, H, P] float32 without the D skip, final state [H, P, N] float32).
+    [H, P, N] -> (y [L, H, P] float32 without the D skip, final state [H, P, N] float32). For each o in
+    `save_at` (1..L) the state after the first o tokens is appended to `saved` (snapshots, verification).
 
     B and C stay per group (head h reads group h // (H / G)): their products are computed once per
     group, not per head. The decay between positions s <= l of a chunk is exp(cum_l - cum_s) over the
@@ -59,10 +65,34 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.
     for i in range(n):
         starts.append(s)
         s = s * chunk_decay[i][:, None, None] + chunk_states[i]
-    starts = torch.stack(starts).view(n, groups, per, head_dim, size)
+    starts = torch.stack(starts)  # [n, H, P, N]
+    if save_at:
+        # a chunk's end is the next chunk's start (the padded tail writes nothing); the rest in one pass
+        inside = [divmod(o - 1, chunk) for o in save_at if o != length and o % chunk]
+        states = iter(_states_inside(x, b, cum, starts, inside) if inside else ())
+        saved.extend(s if o == length else starts[o // chunk] if o % chunk == 0 else next(states) for o in save_at)
+    starts = starts.view(n, groups, per, head_dim, size)
     y_off = torch.einsum("nlgk,ngqpk->nlgqp", c, starts).reshape(n, chunk, heads, head_dim)
     y = y + y_off * torch.exp(cum).unsqueeze(-1)
     return y.reshape(n * chunk, heads, head_dim)[:length], s
+
+
+def _states_inside(x: torch.Tensor, b: torch.Tensor, cum: torch.Tensor, starts: torch.Tensor,
+                   positions: list[tuple[int, int]]) -> torch.Tensor:
+    """ssd_chunk_scan's states after position j of chunk i for each (i, j), batched: the chunk's start
+    state decayed through j plus its writes up to j. x (times dt) [n, c, H, P], b [n, c, G, N], cum [n, c, H],
+    starts [n, H, P, N] -> [len(positions), H, P, N]."""
+    length = max(j for _, j in positions) + 1  # no position past the last j is read
+    chunks, ends = (torch.tensor(column, device=x.device) for column in zip(*positions))
+    cum_at = cum[chunks, :length]  # [m, l, H]
+    upto = cum_at.gather(1, ends.view(-1, 1, 1).expand(-1, 1, cum.shape[-1]))  # [m, 1, H]: cum at j
+    later = torch.arange(length, device=x.device) > ends[:, None]  # [m, l]: positions after j
+    weight = (upto - cum_at).masked_fill(later.unsqueeze(-1), float("-inf")).exp()
+    count, heads, head_dim = len(positions), *x.shape[2:]
+    groups, size = b.shape[2:]
+    xs = (x[chunks, :length] * weight.unsqueeze(-1)).view(count, length, groups, heads // groups, head_dim)
+    writes = torch.einsum("mlgqp,mlgk->mgqpk", xs, b[chunks, :length]).reshape(count, heads, head_dim, size)
+    return starts[chunks] * upto[:, 0].exp()[:, :, None, None] + writes
 
 
 def _per_head(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -149,11 +179,15 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, state: RecurrentState, meta: RecurrentMetadata) -> torch.Tensor:
         conv_state, ssm_state = state
         gate, xbc, dt = self.project(hidden).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        if not meta.prefill_rows and self.act is F.silu and (lib := decode_kernels(*state)) is not None:
+            y = self._decode_with_kernels(lib, xbc, dt, state, meta)
+            return self.out_proj(self.norm(y.view(-1, self.intermediate), gate).to(hidden.dtype))
         seats = meta.seat_ids
         weight = self.conv1d.weight.squeeze(1)
         if meta.prefill_rows:
-            xbc, windows = causal_conv1d(xbc, weight, self.conv1d.bias, conv_state.index_select(0, seats),
-                                         meta.query_start_loc)
+            before = conv_state.index_select(0, seats)
+            meta.store_windows(conv_state, before, xbc)
+            xbc, windows = causal_conv1d(xbc, weight, self.conv1d.bias, before, meta.query_start_loc)
         else:  # decode rows only: one token per seat, no conv over a laid-out buffer
             xbc, windows = causal_conv1d_step(xbc, weight, self.conv1d.bias, conv_state.index_select(0, seats))
         conv_state.index_copy_(0, seats, windows.to(conv_state.dtype))
@@ -171,10 +205,23 @@ class Mamba2Mixer(nn.Module):
             ssm_state.index_copy_(0, decode_seats, new.to(ssm_state.dtype))
         for row in meta.prefill_rows:
             lo, hi, seat = meta.query_start_loc[row], meta.query_start_loc[row + 1], meta.seats[row]
-            # time_step_limit clamps prompt steps only, as transformers' and vLLM's chunk scans do
-            y[lo:hi], final = ssd_chunk_scan(x[lo:hi], dt[lo:hi].clamp(self.dt_min, self.dt_max), a, b[lo:hi],
-                                             c[lo:hi], ssm_state[seat], self.chunk_size)
+            # time_step_limit clamps prompt steps only, as transformers' and vLLM's chunk scans do (a
+            # verification row is decode steps)
+            steps = dt[lo:hi] if meta.is_verification(row) else dt[lo:hi].clamp(self.dt_min, self.dt_max)
+            saved: list[torch.Tensor] = []
+            y[lo:hi], final = ssd_chunk_scan(x[lo:hi], steps, a, b[lo:hi], c[lo:hi], ssm_state[seat],
+                                             self.chunk_size, meta.wanted.get(row, ()), saved)
             ssm_state[seat] = final.to(ssm_state.dtype)
+            if saved:
+                meta.store(ssm_state, row, saved)
         y = y + x.float() * self.D.float()[:, None]
         y = self.norm(y.view(-1, self.intermediate), gate)
         return self.out_proj(y.to(hidden.dtype))
+
+    def _decode_with_kernels(self, lib: ctypes.CDLL, xbc: torch.Tensor, dt: torch.Tensor, state: RecurrentState,
+                             meta: RecurrentMetadata) -> torch.Tensor:
+        """A decode-only step in two C calls (conv window + SiLU, SSM step with the D skip) on the seats in place."""
+        conv_state, ssm_state = state
+        xbc = conv_update(lib, xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_state, meta.seat_ids,
+                          silu=True)
+        return mamba2_step(lib, xbc, dt, self.dt_bias, self.A_log, self.D, ssm_state, meta.seat_ids, self.n_groups)

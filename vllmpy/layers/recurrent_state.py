@@ -14,6 +14,11 @@ The contract every recurrent family (Mamba2, Gated DeltaNet, short conv) codes a
   continue from the seat. A seat is a running request's for its whole life (assigned at admission,
   freed at finish, abort or preemption; a preempted request recomputes from scratch).
 - Seats come out of the KV pool's byte budget (runner/memory.py), before its blocks.
+- A step may want a chunk's state in the middle of it (`RecurrentMetadata.wanted`): at prefix-cache
+  snapshot boundaries (written to snapshot rows of the same tensors, past the seats) and after every
+  token of a verification row (speculative decoding: kept for the runner, which commits the accepted
+  position's into the seat). A layer's prefill path computes the states at those offsets and hands them
+  to `store` (its conv windows to `store_windows`); offsets are tokens into the chunk, 1..length.
 """
 from __future__ import annotations
 
@@ -63,6 +68,13 @@ class RecurrentMetadata:
     has_initial_state: torch.Tensor  # bool [num_chunks]: start_pos > 0, continue the seat's state
     decode_rows: list[int] = field(default_factory=list)  # chunks of exactly one token
     prefill_rows: list[int] = field(default_factory=list)  # chunks of more than one token
+    # chunk row -> offsets (tokens into the chunk, ascending) after which its states are wanted
+    wanted: dict[int, list[int]] = field(default_factory=dict)
+    # chunk row -> the state row (a snapshot slot past the seats) each wanted state is written to; a wanted
+    # row absent here is a verification row, whose states are kept in `kept` instead
+    targets: dict[int, list[int]] = field(default_factory=dict)
+    # verification row -> (state tensor, its states at the wanted offsets [n, *shape]) for every tensor
+    kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     decode_seats: torch.Tensor = field(init=False)  # int64 [D] seats of the decode rows
     decode_tokens: torch.Tensor = field(init=False)  # int64 [D] flat index of each decode row's token
 
@@ -73,8 +85,9 @@ class RecurrentMetadata:
         self.decode_tokens = torch.tensor([self.query_start_loc[r] for r in rows], dtype=torch.int64, device=device)
 
     @classmethod
-    def build(cls, seats: list[int], start_positions: list[int], query_lens: list[int],
-              device: torch.device) -> RecurrentMetadata:
+    def build(cls, seats: list[int], start_positions: list[int], query_lens: list[int], device: torch.device,
+              wanted: dict[int, list[int]] | None = None, targets: dict[int, list[int]] | None = None
+              ) -> RecurrentMetadata:
         query_start_loc = [0]
         for n in query_lens:
             query_start_loc.append(query_start_loc[-1] + n)
@@ -83,8 +96,30 @@ class RecurrentMetadata:
                    query_start_loc_tensor=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
                    has_initial_state=torch.tensor([p > 0 for p in start_positions], dtype=torch.bool, device=device),
                    decode_rows=[i for i, n in enumerate(query_lens) if n == 1],
-                   prefill_rows=[i for i, n in enumerate(query_lens) if n > 1])
+                   prefill_rows=[i for i, n in enumerate(query_lens) if n > 1], wanted=wanted or {},
+                   targets=targets or {})
 
     @property
     def num_chunks(self) -> int:
         return len(self.query_start_loc) - 1
+
+    def is_verification(self, row: int) -> bool:
+        """A speculative verification row: decoded token by token semantically (no prompt-only clamps)."""
+        return row in self.wanted and row not in self.targets
+
+    def store(self, tensor: torch.Tensor, row: int, states: list[torch.Tensor]) -> None:
+        """The row's states at its wanted offsets (in order) for one of a layer's state tensors."""
+        if row in self.targets:  # snapshots: one copy each, straight into its slot
+            for target, state in zip(self.targets[row], states, strict=True):
+                tensor[target] = state
+        else:
+            self.kept.setdefault(row, []).append((tensor, torch.stack(states).to(tensor.dtype)))
+
+    def store_windows(self, conv_state: torch.Tensor, windows: torch.Tensor, inputs: torch.Tensor) -> None:
+        """Conv windows at the wanted offsets: the last W - 1 inputs before each, from the chunk's window
+        before the step (`windows`, one per chunk) and its conv inputs (`inputs`, the flat batch)."""
+        keep = windows.shape[1]
+        for row, offsets in self.wanted.items():
+            lo, hi = self.query_start_loc[row], self.query_start_loc[row + 1]
+            line = torch.cat((windows[row].to(inputs.dtype), inputs[lo:hi]))
+            self.store(conv_state, row, [line[o:o + keep] for o in offsets])

@@ -11,6 +11,7 @@ from torch import nn
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.layers.gated_delta_net import causal_conv1d, causal_conv1d_step
 from vllmpy.layers.linear import Linear
+from vllmpy.layers.recurrent_kernels import conv_update, decode_kernels
 from vllmpy.layers.recurrent_state import RecurrentMetadata, RecurrentState, RecurrentStateSpec
 
 
@@ -34,8 +35,12 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, state: RecurrentState, meta: RecurrentMetadata) -> torch.Tensor:
         (conv_states,) = state
         b, c, h = self.in_proj(x).chunk(3, dim=-1)
+        if not meta.prefill_rows and (lib := decode_kernels(conv_states)) is not None:  # the seats shift in place
+            return self.out_proj(c * conv_update(lib, b * h, self.conv.weight[:, 0], self.conv.bias, conv_states,
+                                                 meta.seat_ids, silu=False).to(c.dtype))
         weight, windows = self.conv.weight[:, 0], conv_states.index_select(0, meta.seat_ids)
         if meta.prefill_rows:
+            meta.store_windows(conv_states, windows, b * h)
             y, new = causal_conv1d(b * h, weight, self.conv.bias, windows, meta.query_start_loc)
         else:
             y, new = causal_conv1d_step(b * h, weight, self.conv.bias, windows)

@@ -24,7 +24,7 @@ from vllmpy.models.registry import resolve_model_class
 from vllmpy.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from vllmpy.distributed.parallel_state import TPGroup
+    from vllmpy.distributed.parallel_state import RankGroup
 
 logger = logging.getLogger("vllmpy")
 
@@ -142,24 +142,34 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
+def _empty_on(model: CausalLM, device: torch.device) -> CausalLM:
+    """Module.to_empty, uninitialised storage for every meta tensor, without empty_like: its meta path imports
+    sympy on first use (~1/6 of a warm `LLM()`), and nothing else at start needs it."""
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, task: str = "auto",
-                max_model_len: int | None = None, tp_group: TPGroup | None = None) -> CausalLM:
+                max_model_len: int | None = None, tp_group: RankGroup | None = None,
+                keep_mtp: bool = False) -> CausalLM:
     """Construct on the meta device (no memory), materialize empty, then copy weights in place.
 
     On the CPU, GGUF blocks (and quantized safetensors weights, repacked into blocks) stay packed when the
     block kernels are available (VLLMPY_GGUF_KEEP_QUANT=0 opts out); elsewhere they are dequantized to
-    `dtype` as they load. tp_group: this rank keeps only its tensor-parallel shard of every weight.
+    `dtype` as they load. tp_group: this rank keeps only its tensor-parallel shard of every weight (a
+    PPGroup: only its pipeline stage's layers). keep_mtp: the model sets its MTP blocks' tensors aside in
+    `model.mtp_weights` rather than dropping them (MTP speculation builds its draft from them, models/mtp.py).
     """
     model_cls = resolve_model_class(ckpt.config, task)
     with torch.device("meta"):
         model = model_cls(ckpt.config)
     if tp_group is not None:
-        from vllmpy.layers.parallel import shard_model
-        shard_model(model, tp_group)
+        tp_group.partition(model)
     if max_model_len is not None:
         model.set_max_model_len(max_model_len)
-    model = model.to_empty(device=device).to(dtype)
+    model = _empty_on(model, device).to(dtype)
     model.tie_weights()
+    if keep_mtp:
+        model.mtp_weights = []
     keep_packed = (ckpt.packed_weights is not None and device.type == "cpu"
                    and os.environ.get("VLLMPY_GGUF_KEEP_QUANT", "1") != "0" and block_kernels() is not None)
     stream = ckpt.packed_weights(dtype) if keep_packed else ckpt.weights(dtype)

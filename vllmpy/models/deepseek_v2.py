@@ -6,12 +6,12 @@ Which layers are sparse: GLM-4.7-Flash's `mlp_layer_types`; else layer i >= firs
 i % moe_layer_freq == 0 (vLLM's rule; transformers has no moe_layer_freq, i.e. 1). The others keep a
 dense MLP of intermediate_size. V2 routes by softmax (greedy, or group_limited_greedy by the groups'
 best expert); V3 by sigmoid with e_score_correction_bias and groups scored by their best two.
-Checkpoints' MTP layers (`model.layers.{num_hidden_layers}..`) are skipped: no MTP heads yet.
+Checkpoints' MTP layers (`model.layers.{num_hidden_layers}..`) are skipped, or set aside for MTP
+speculation (models/mtp.py).
 """
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 
@@ -22,17 +22,7 @@ from vllmpy.layers.moe_routing import Router, Routing
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.models.base import CausalLM
 from vllmpy.models.llama import DecoderLayer, DecoderModel, GatedMLP, norm_eps
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def without_mtp_layers(weights: Iterable[tuple[str, torch.Tensor]],
-                       num_layers: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors less its MTP modules, stored as layers num_layers.. after the last one."""
-    for name, tensor in weights:
-        match = _LAYER.match(name)
-        if match is None or int(match[1]) < num_layers:
-            yield name, tensor
+from vllmpy.models.mtp import split_mtp_layers
 
 
 def deepseek_routing(config: dict, scoring: str, grouped: bool, biased: bool, renormalize: bool) -> Routing:
@@ -55,6 +45,7 @@ class DeepseekV2ForCausalLM(ExpertWeights, CausalLM):
                           *FUSED_EXPERT_RENAMES)
     default_first_dense = 0
     default_scoring = "softmax"
+    mtp_weights: list | None = None  # a list: the loader sets the MTP blocks' tensors aside here (models/mtp.py)
 
     def __init__(self, config: dict) -> None:
         super().__init__(config)
@@ -67,9 +58,15 @@ class DeepseekV2ForCausalLM(ExpertWeights, CausalLM):
         self.lm_head = Linear(config["hidden_size"], config["vocab_size"])
         self.tie_weights()
 
+    def make_mtp_layer(self, config: dict) -> DecoderLayer:
+        """The MTP block's decoder layer: layer num_hidden_layers by the sparse-layer rule (vLLM's)."""
+        return DecoderLayer(config, MultiHeadLatentAttention(config),
+                            self.make_moe(config) if self.is_sparse(config, config["num_hidden_layers"]) else None)
+
     def is_sparse(self, config: dict, layer: int) -> bool:
-        if config.get("mlp_layer_types"):
-            return config["mlp_layer_types"][layer] == "sparse"
+        if config.get("mlp_layer_types"):  # past its end: an MTP block, sparse as vLLM builds it
+            types = config["mlp_layer_types"]
+            return types[layer] == "sparse" if layer < len(types) else bool(config.get("n_routed_experts"))
         first_dense = config.get("first_k_dense_replace")
         first_dense = self.default_first_dense if first_dense is None else first_dense
         experts = config.get("n_routed_experts") or 0
@@ -94,7 +91,7 @@ class DeepseekV2ForCausalLM(ExpertWeights, CausalLM):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(without_mtp_layers(weights, self.config["num_hidden_layers"]))
+        super().load_weights(split_mtp_layers(weights, self.config["num_hidden_layers"], self.mtp_weights))
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -2,11 +2,11 @@
 head, q/k/v bias with `attention_bias`, per-head q/k RMSNorm with `use_qk_norm`) with DeepSeek-V3's
 MoE from layer `first_k_dense_replace` on: sigmoid scores, e_score_correction_bias to choose, groups
 scored by their best two, norm_topk_prob, routed_scaling_factor, and n_shared_experts added ungated.
-The checkpoint's MTP layers (`model.layers.{num_hidden_layers}..`) are skipped: no MTP heads yet."""
+The checkpoint's MTP layers (`model.layers.{num_hidden_layers}..`) are skipped, or set aside for MTP
+speculation (models/mtp.py)."""
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -15,9 +15,8 @@ from vllmpy.layers.moe import FUSED_EXPERT_RENAMES, ExpertWeights, SparseMoE
 from vllmpy.layers.moe_routing import Router, Routing
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.models.glm4 import with_half_rotary
-from vllmpy.models.llama import Attention, GatedMLP, LlamaForCausalLM
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+from vllmpy.models.llama import Attention, DecoderLayer, GatedMLP, LlamaForCausalLM
+from vllmpy.models.mtp import split_mtp_layers
 
 
 def routing(config: dict) -> Routing:
@@ -31,6 +30,7 @@ def routing(config: dict) -> Routing:
 
 class Glm4MoeForCausalLM(ExpertWeights, LlamaForCausalLM):
     checkpoint_renames = ((r"\.mlp\.shared_experts\.", ".mlp.shared_expert."), *FUSED_EXPERT_RENAMES)
+    mtp_weights: list | None = None  # a list: the loader sets the MTP blocks' tensors aside here (models/mtp.py)
 
     def __init__(self, config: dict) -> None:
         super().__init__(with_half_rotary(config))
@@ -49,13 +49,10 @@ class Glm4MoeForCausalLM(ExpertWeights, LlamaForCausalLM):
                          shared_expert=GatedMLP(hidden, inter * shared, act) if shared else None, gated_shared=False,
                          router=Router(hidden, route, correction_bias=True))
 
+    def make_mtp_layer(self, config: dict) -> DecoderLayer:
+        """The MTP block's decoder layer: a full-attention layer at index num_hidden_layers (sparse)."""
+        n = config["num_hidden_layers"]
+        return DecoderLayer(config, self.make_attention(config, "full_attention"), self.make_mlp(config, n))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        n = self.config["num_hidden_layers"]
-
-        def main_layers() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                match = _LAYER.match(name)
-                if match is None or int(match[1]) < n:  # past the last layer: an MTP module
-                    yield name, tensor
-
-        super().load_weights(main_layers())
+        super().load_weights(split_mtp_layers(weights, self.config["num_hidden_layers"], self.mtp_weights))

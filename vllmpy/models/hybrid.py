@@ -73,11 +73,15 @@ class HybridModel(nn.Module):
             self.rotary = RotaryEmbedding(rotary_dim(config, head_dim), rope_parameters(config),
                                           config.get("max_position_embeddings", 4096))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta: list) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings (times embedding_multiplier): what an image model splices its rows into."""
         x = self.embed_tokens(input_ids)
-        if self.embedding_multiplier != 1.0:
-            x = x * self.embedding_multiplier
+        return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: list, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs_embeds: the embedded tokens when the caller built them (image rows spliced in)."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos_sin = None if self.rotary is None else self.rotary.cos_sin(positions, x.dtype)
         for layer, caches in zip(self.layers, self.cache_slices):
             x = layer(x, cos_sin, kv_caches[caches], meta[caches])

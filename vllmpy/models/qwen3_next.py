@@ -1,4 +1,4 @@
-"""Qwen3-Next and Qwen3.5 (dense, MoE, and the text model of the vision-language checkpoint).
+"""Qwen3-Next and Qwen3.5 (dense, MoE; the language model of the vision-language checkpoints, models/qwen3_5_vl.py).
 
 Hybrids: most layers are Gated DeltaNet (`linear_attention`), every few a gated full attention
 (`layer_types`, else every `full_attention_interval`-th). All norms are zero-centred (x (1 + w)) except
@@ -110,7 +110,7 @@ class Qwen3NextForCausalLM(ExpertWeights, CausalLM):
         return bool(config.get("norm_topk_prob", True))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(without_extra_heads(weights))
+        super().load_weights(without_extra_heads(weights, keep_vision=hasattr(self, "visual")))
 
     def forward(self, input_ids, positions, kv_caches, meta):
         return self.model(input_ids, positions, kv_caches, meta)
@@ -135,44 +135,19 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
         return True
 
 
-def text_config(config: dict) -> dict:
-    """A vision-language config's `text_config` as the causal LM reads it (the top level's head tying wins)."""
-    text = dict(config.get("text_config") or config)
-    if "tie_word_embeddings" in config:
-        text["tie_word_embeddings"] = config["tie_word_embeddings"]
-    return text
-
-
-def without_extra_heads(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def without_extra_heads(weights: Iterable[tuple[str, torch.Tensor]],
+                        keep_vision: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors less the multi-token-prediction head (`mtp.*`, unused without speculative
-    decoding) and a vision tower (`model.visual.*`, skipped with one INFO line until images are served)."""
+    decoding) and, for a text-only architecture, a vision tower (`model.visual.*`, skipped with one INFO
+    line: the checkpoint's *ForConditionalGeneration architecture serves its images, models/qwen3_5_vl.py)."""
     skipped = 0
     for name, tensor in weights:
         if name.startswith("mtp."):
             continue
-        if name.startswith("model.visual."):
+        if name.startswith("model.visual.") and not keep_vision:
             skipped += 1
             continue
         yield name, tensor
     if skipped:
-        logger.info("vision tower skipped: %d model.visual.* tensors not loaded; this checkpoint serves text only",
+        logger.info("vision tower skipped: %d model.visual.* tensors not loaded; this architecture serves text only",
                     skipped)
-
-
-class _TextOfVisionLanguage:
-    """Mixin: the language model of a vision-language checkpoint (`model.language_model.*`, config in
-    `text_config`)."""
-
-    def __init__(self, config: dict) -> None:
-        super().__init__(text_config(config))
-
-    def checkpoint_name_to_param(self, name: str):
-        return super().checkpoint_name_to_param(name.replace("model.language_model.", "model.", 1))
-
-
-class Qwen3_5ForConditionalGeneration(_TextOfVisionLanguage, Qwen3_5ForCausalLM):
-    pass
-
-
-class Qwen3_5MoeForConditionalGeneration(_TextOfVisionLanguage, Qwen3_5MoeForCausalLM):
-    pass

@@ -67,5 +67,5 @@ def load_conversation_images(conversation: list[dict], processor, media: MediaCo
                          f"text only")
     processor.check_count(len(sources), "messages")
     images = [load_image(source, media, where) for where, source in sources]
-    marker, takes_parts = processor.layout.marker, template_takes_parts(template)
+    marker, takes_parts = processor.layout.chat_marker or processor.layout.marker, template_takes_parts(template)
     return [{**m, "content": template_content(m.get("content"), marker, takes_parts)} for m in conversation], images

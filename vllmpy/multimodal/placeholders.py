@@ -13,12 +13,15 @@ from vllmpy.multimodal.inputs import ImageFeature
 @dataclass(frozen=True)
 class PlaceholderLayout:
     """A family's placeholder text: `marker` (what prompts and chat templates write per image) becomes
-    `expansion`, which holds `tokens_per_image` copies of the token `image_token_id`."""
+    `expansion`, which holds `tokens_per_image` copies of the token `image_token_id`. `chat_marker`: what a
+    chat template given string content gets per image when it differs from the marker (vLLM's placeholder
+    string: Qwen-VL wraps its `<|image_pad|>` in `<|vision_start|>` / `<|vision_end|>`)."""
 
     marker: str
     expansion: str
     image_token_id: int
     tokens_per_image: int
+    chat_marker: str | None = None
 
 
 def expand_text(prompt: str, layout: PlaceholderLayout, expansions: list[str], field: str) -> str:

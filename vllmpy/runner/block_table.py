@@ -2,9 +2,10 @@
 
 A request's table only grows while it runs (a sliding window turns entries it left into placeholders,
 but those positions are never read again; speculation's trimmed tail is announced by the scheduler and
-rewritten), so each step appends the entries past what the row holds
-and the step's [rows, width] table is one index_select, instead of padding and converting every
-request's whole table from Python lists each step (vLLM's BlockTable does the same).
+rewritten), so the scheduler sends only the entries added since the request's last chunk (its whole
+table when it starts or resumes) and each step appends them; the step's [rows, width] table is one
+index_select and its slot mapping one gather, instead of padding and converting every request's whole
+table from Python lists each step (vLLM's BlockTable does the same).
 """
 from __future__ import annotations
 
@@ -26,22 +27,22 @@ class BlockTables:
                 self.tables[group][row, :length] = 0  # the row's next owner pads with 0 as well
             self._free.append(row)
 
-    def update(self, req_id: str, block_ids: tuple[list[int], ...]) -> None:
-        """Append each group's entries past what the request's row holds (a new request: all of them)."""
+    def append(self, req_id: str, new_block_ids: tuple[list[int], ...]) -> None:
+        """Append each group's new entries to the request's row (a request not held yet: its first row)."""
         if req_id not in self.rows:
             if not self._free:
                 self._grow_rows()
             self.rows[req_id] = self._free.pop()
             self.lengths[req_id] = [0] * len(self.tables)
         row, lengths = self.rows[req_id], self.lengths[req_id]
-        for group, ids in enumerate(block_ids):
-            known = lengths[group]
-            if len(ids) <= known:
+        for group, ids in enumerate(new_block_ids):
+            if not ids:
                 continue
-            if len(ids) > self.tables[group].shape[1]:
-                self._grow_width(group, len(ids))
-            self.tables[group][row, known:len(ids)] = torch.tensor(ids[known:], dtype=torch.int64)
-            lengths[group] = len(ids)
+            known, end = lengths[group], lengths[group] + len(ids)
+            if end > self.tables[group].shape[1]:
+                self._grow_width(group, end)
+            self.tables[group][row, known:end] = torch.tensor(ids, dtype=torch.int64)
+            lengths[group] = end
 
     def truncate(self, req_id: str, num_blocks: int) -> None:
         """The scheduler gave back the request's blocks past `num_blocks` (rejected drafts' blocks): the
@@ -50,11 +51,21 @@ class BlockTables:
         if lengths is not None:
             self.lengths[req_id] = [min(length, num_blocks) for length in lengths]
 
-    def gather(self, req_ids: list[str], group: int) -> torch.Tensor:
+    def row_index(self, req_ids: list[str]) -> torch.Tensor:
+        """The requests' rows, for gather and slot_mapping."""
+        return torch.tensor([self.rows[r] for r in req_ids], dtype=torch.int64, device=self.device)
+
+    def gather(self, req_ids: list[str], rows: torch.Tensor, group: int) -> torch.Tensor:
         """[len(req_ids), widest of them] int64, padded with 0 (never read: past each row's context)."""
         width = max(self.lengths[r][group] for r in req_ids)
-        rows = torch.tensor([self.rows[r] for r in req_ids], dtype=torch.int64, device=self.device)
         return self.tables[group][:, :width].index_select(0, rows)
+
+    def slot_mapping(self, token_rows: torch.Tensor, positions: torch.Tensor, block_size: int,
+                     group: int) -> torch.Tensor:
+        """[T] flat cache slot (block * block_size + offset) of each token, from its row (token_rows: the
+        row of its request) and position."""
+        blocks = self.tables[group][token_rows, torch.div(positions, block_size, rounding_mode="floor")]
+        return blocks * block_size + positions % block_size
 
     def _grow_rows(self) -> None:
         capacity = self.tables[0].shape[0]

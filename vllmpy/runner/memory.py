@@ -9,11 +9,13 @@ group: N, as before).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from vllmpy.config import CacheConfig
 from vllmpy.engine.kv_cache_spec import KVCacheLayout
+from vllmpy.engine.recurrent_snapshots import SNAPSHOT_SPAN
 from vllmpy.errors import KVCacheTooSmallError
 
 if TYPE_CHECKING:
@@ -33,6 +35,7 @@ class PoolSize:
     num_seats: int  # recurrent-state seats; 0 for a model without recurrent layers
     info: str  # the KV cache INFO line
     reduction: str | None = None  # the recurrent-state budget line, when max_num_seqs was reduced
+    num_snapshots: int = 0  # recurrent-state prefix-cache snapshot slots (engine/recurrent_snapshots.py)
 
 
 def resolve_num_blocks(cache_config: CacheConfig, layout: KVCacheLayout, available_bytes: int,
@@ -88,7 +91,9 @@ def size_kv_pool(cache_config: CacheConfig, layout: KVCacheLayout, available_byt
     if layout.recurrent:
         num_seats, reduction = recurrent_seats(layout, pool_bytes, blocks_per_seq, max_model_len,
                                                max_num_seqs, budget)
-    num_blocks = (pool_bytes - num_seats * state_bytes) // bytes_per_block if bytes_per_block else 0
+    num_snapshots = snapshot_slots(cache_config, layout, pool_bytes, pool_bytes - num_seats * state_bytes,
+                                   blocks_per_seq)
+    num_blocks = (pool_bytes - (num_seats + num_snapshots) * state_bytes) // bytes_per_block if bytes_per_block else 0
     num_tokens = num_blocks * block_size
     groups = layout.describe(max_model_len, max_chunk)
     if num_blocks < blocks_per_seq:
@@ -106,7 +111,56 @@ def size_kv_pool(cache_config: CacheConfig, layout: KVCacheLayout, available_byt
                "no blocks needed"))
     if num_seats:
         info += f"; {num_seats} recurrent-state seats x {state_bytes} B = {num_seats * state_bytes} bytes"
-    return PoolSize(num_blocks, num_seats, info, reduction)
+    if layout.recurrent and cache_config.enable_prefix_caching:
+        info += (f"; {num_snapshots} prefix-cache snapshots of that state (one per {SNAPSHOT_SPAN} prompt tokens, "
+                 f"--recurrent-snapshot-fraction {cache_config.recurrent_snapshot_fraction:g} of the pool) = "
+                 f"{num_snapshots * state_bytes} bytes")
+    return PoolSize(num_blocks, num_seats, info, reduction, num_snapshots)
+
+
+def snapshot_slots(cache_config: CacheConfig, layout: KVCacheLayout, pool_bytes: int, spare_bytes: int,
+                   blocks_per_seq: int) -> int:
+    """Snapshot slots for prefix caching on recurrent layers: --recurrent-snapshot-fraction of the pool,
+    out of the `spare_bytes` the seats leave, never leaving less than one max_model_len sequence's blocks."""
+    if not layout.recurrent or not cache_config.enable_prefix_caching:
+        return 0
+    room = spare_bytes - blocks_per_seq * layout.block_bytes
+    return max(0, min(int(pool_bytes * cache_config.recurrent_snapshot_fraction), room)) // layout.state_bytes_per_seq
+
+
+def size_kv_pools(cache_config: CacheConfig, layout: KVCacheLayout, draft: KVCacheLayout | None,
+                  available_bytes: int, max_model_len: int, max_chunk: int, max_num_seqs: int | None = None,
+                  cap_bytes: int | None = None) -> tuple[PoolSize, PoolSize | None]:
+    """size_kv_pool for the target and, with a draft model (speculative decoding), for the draft's own
+    cache out of the same budget: the byte budget (--kv-cache-memory, or automatic with its caps) is split
+    in proportion to the bytes one full-length sequence needs in each, so both pools hold as many tokens;
+    --num-blocks N gives each pool N blocks per group (its per-layer meaning)."""
+    if draft is None:
+        return size_kv_pool(cache_config, layout, available_bytes, max_model_len, max_chunk, max_num_seqs,
+                            cap_bytes), None
+    if cache_config.num_blocks is not None:
+        target = own = Fraction(1)
+    else:  # exact shares: the two pools' bytes never exceed the budget, equal layouts get equal blocks
+        need = [lay.blocks_per_request(max_model_len, max_chunk) * lay.block_bytes + lay.state_bytes_per_seq
+                for lay in (layout, draft)]
+        target = Fraction(need[0], sum(need))
+        own = 1 - target
+
+    def share(part: KVCacheLayout, fraction: Fraction, name: str) -> PoolSize:
+        memory = cache_config.kv_cache_memory
+        cache = cache_config if memory is None else replace(cache_config, kv_cache_memory=int(memory * fraction))
+        try:
+            return size_kv_pool(cache, part, int(available_bytes * fraction), max_model_len, max_chunk, max_num_seqs,
+                                None if cap_bytes is None else int(cap_bytes * fraction))
+        except KVCacheTooSmallError as exc:
+            raise KVCacheTooSmallError(f"the {name}'s share ({float(fraction):.0%}) of the KV budget the target and "
+                                       f"the draft model split: {exc}") from None
+
+    sizes = share(layout, target, "target"), share(draft, own, "draft model")
+    if cache_config.num_blocks is None:
+        split = f"; {float(target):.0%} of the budget (the draft model's KV cache has the rest)"
+        sizes = replace(sizes[0], info=sizes[0].info + split), sizes[1]
+    return sizes[0], replace(sizes[1], info="draft model " + sizes[1].info)
 
 
 def recurrent_seats(layout: KVCacheLayout, pool_bytes: int, blocks_per_seq: int, max_model_len: int,

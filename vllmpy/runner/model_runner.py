@@ -8,14 +8,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from vllmpy.attention.backends import BACKEND_ENV, select_backend
-from vllmpy.attention.base import AttentionMetadata
+from vllmpy.attention.base import AttentionMetadata, GroupInputs, StepLayout
 from vllmpy.attention.kv_storage import PagedKVCache
+from vllmpy.attention.layer import PagedAttention
 from vllmpy.engine.kv_cache_spec import KVCacheConfig
 from vllmpy.engine.request import RequestKind
 from vllmpy.engine.schedule_types import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
@@ -25,7 +26,9 @@ from vllmpy.lora.manager import LoRAManager
 from vllmpy.models.base import CausalLM
 from vllmpy.multimodal.encoder_cache import EncoderCache
 from vllmpy.multimodal.inputs import ImageFeature
+from vllmpy.multimodal.mrope import mrope_inputs
 from vllmpy.runner.block_table import BlockTables
+from vllmpy.runner.recurrent_steps import RecurrentSteps
 from vllmpy.sampling import RowState, Sampler, SamplingRowError, prompt_logprobs_for_chunk
 from vllmpy.sampling.logits_processors import LogitsProcessor
 from vllmpy.spec_decode.rejection import verify
@@ -38,7 +41,8 @@ def allocate_kv_caches(config: KVCacheConfig,
                        device: torch.device) -> tuple[list[torch.Tensor], list[PagedKVCache | RecurrentState]]:
     """Zeroed shared byte buffers (one per layer slot of a group, num_blocks pages each) and every
     layer's cache viewed over its slot in its spec's layout: layer i of each group uses buffer i.
-    A recurrent layer gets its own state tensors, one row per seat (also listed in the buffers).
+    A recurrent layer gets its own state tensors, one row per seat, then one per prefix-cache snapshot
+    slot (also listed in the buffers).
 
     On the CPU the buffers live in one anonymous mmap: the kernel hands out zero pages on first touch,
     so a large pool costs nothing until blocks are used (torch.zeros would write every byte up front:
@@ -58,9 +62,26 @@ def allocate_kv_caches(config: KVCacheConfig,
         for slot, layer in enumerate(group.layers):
             caches[layer] = group.spec.view(buffers[slot], config.num_blocks)
     for layer, spec in layout.recurrent:
-        caches[layer] = spec.allocate(config.num_seats, device)
+        caches[layer] = spec.allocate(config.num_seats + config.num_snapshots, device)
         buffers.extend(caches[layer])
     return buffers, caches
+
+
+@dataclass
+class ForwardedStep:
+    """A step between its forward and its sampling: the final hidden states (none when nothing ran)."""
+
+    so: SchedulerOutput
+    out: ModelRunnerOutput
+    hidden: torch.Tensor | None = None
+
+
+def query_start_loc(chunks: Sequence[ScheduledChunk]) -> list[int]:
+    """[S + 1] offsets of each chunk's tokens in the step's flat batch."""
+    starts = [0]
+    for chunk in chunks:
+        starts.append(starts[-1] + len(chunk.token_ids))
+    return starts
 
 
 @dataclass
@@ -89,13 +110,21 @@ class ModelRunner:
         for cache, layer in zip(paged, model.attention_layers()):  # an fp8 cache's per-layer scales
             cache.k_scale, cache.v_scale = layer.k_scale, layer.v_scale
         # Each layer's KV cache group: its attention reads that group's block table. Recurrent layers
-        # read the step's RecurrentMetadata, after the groups' (a chunk's block_ids end with its seat).
+        # read the step's RecurrentMetadata, after the groups' (a chunk's new_block_ids end with its seat).
         self.num_groups = len(kv_cache_config.groups)
         self.recurrent_states = [self.kv_caches[layer] for layer, _ in kv_cache_config.layout.recurrent]
+        # seats zeroed / resumed from snapshots, states captured mid-chunk, verified drafts committed
+        self.recurrent = RecurrentSteps(self.recurrent_states, kv_cache_config.num_seats, device) \
+            if self.recurrent_states else None
         self.layer_groups = [self.num_groups] * len(self.kv_caches)
         for index, group in enumerate(kv_cache_config.groups):
             for layer in group.layers:
                 self.layer_groups[layer] = index
+        views = [set() for _ in range(self.num_groups)]  # each group's layers' decode views (build_metadata)
+        for layer, module in enumerate(model.stateful_layers()):
+            if isinstance(module, PagedAttention):
+                views[self.layer_groups[layer]].add(module.spec.decode_view)
+        self.group_views = [frozenset(group) for group in views]
         self.sampler = Sampler(logits_processors)
         self.structured_output = structured_output
         self.requests: dict[str, RequestState] = {}
@@ -103,6 +132,9 @@ class ModelRunner:
         self.pooler = pooler  # set for an embedding model: finished prompts are pooled, nothing is sampled
         # A model that takes images: its encoder outputs between the step that encodes and the span's prefill.
         self.encoder_cache = EncoderCache(model, device) if hasattr(model, "encode_images") else None
+        # MTP speculation (spec_decode/mtp.py): handed each finished step's final hidden states [T, hidden]
+        # with its output, so the MTP block reads them before the next forward replaces them. None = off.
+        self.hidden_observer: Callable[[SchedulerOutput, torch.Tensor, ModelRunnerOutput], None] | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -111,6 +143,8 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(req_id, None)
+            if self.recurrent is not None:
+                self.recurrent.forget(req_id)
             if self.encoder_cache is not None:
                 self.encoder_cache.forget(req_id)
             self.block_tables.remove(req_id)
@@ -136,7 +170,7 @@ class ModelRunner:
         for req_id, num_blocks in so.trimmed_blocks.items():
             self.block_tables.truncate(req_id, num_blocks)
         for chunk in so.chunks:
-            self.block_tables.update(chunk.req_id, chunk.block_ids[:self.num_groups])
+            self.block_tables.append(chunk.req_id, chunk.new_block_ids[:self.num_groups])
 
     def _prepare(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                      list[AttentionMetadata | RecurrentMetadata]]:
@@ -144,93 +178,89 @@ class ModelRunner:
         group, the batch layout is shared); recurrent layers share one RecurrentMetadata."""
         input_ids: list[int] = []
         positions: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
         for chunk in so.chunks:
-            n = len(chunk.token_ids)
             input_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_pos, chunk.start_pos + n))
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(chunk.start_pos + n)
+            positions.extend(range(chunk.start_pos, chunk.start_pos + len(chunk.token_ids)))
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         req_ids = [c.req_id for c in so.chunks]
-        # A verification chunk (the last token + drafts) decodes each of its tokens in the batched call.
-        decode_rows = [i for i, c in enumerate(so.chunks) if len(c.token_ids) == 1 or c.num_draft_tokens]
-        prefill_rows = [i for i, c in enumerate(so.chunks) if len(c.token_ids) > 1 and not c.num_draft_tokens]
-        shared: dict = {}  # per-step memo of group-independent tensors, one for every group
         spans = None if self.encoder_cache is None else self.encoder_cache.attention_spans(so, self._features)
-        metas = [self.attn_backend.build_metadata(
-            slot_mapping=torch.tensor(self._slots(so.chunks, group), dtype=torch.int64, device=self.device),
-            block_tables=self.block_tables.gather(req_ids, group), query_start_loc=query_start_loc, seq_lens=seq_lens,
-            block_size=self.block_size, decode_rows=decode_rows, prefill_rows=prefill_rows, shared=shared,
-            bidirectional_spans=spans) for group in range(self.num_groups)]
+        layout = StepLayout(query_start_loc(so.chunks), [c.start_pos + len(c.token_ids) for c in so.chunks],
+                            [c.num_draft_tokens for c in so.chunks], self.block_size, spans)
+        rows = self.block_tables.row_index(req_ids)
+        token_rows = rows if len(positions) == len(rows) else rows.repeat_interleave(  # each token's row
+            torch.tensor([len(c.token_ids) for c in so.chunks], device=self.device))
+        groups = [GroupInputs(self.block_tables.slot_mapping(token_rows, positions_t, self.block_size, group),
+                              self.block_tables.gather(req_ids, rows, group), self.group_views[group])
+                  for group in range(self.num_groups)]
+        metas: list[AttentionMetadata | RecurrentMetadata] = self.attn_backend.build_metadata(layout, groups)
         if self.recurrent_states:
             metas.append(self._recurrent_metadata(so.chunks))
-        return (torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-                torch.tensor(positions, dtype=torch.int64, device=self.device),
+        return (torch.tensor(input_ids, dtype=torch.int64, device=self.device), positions_t,
                 [metas[group] for group in self.layer_groups])
 
     def _recurrent_metadata(self, chunks: list[ScheduledChunk]) -> RecurrentMetadata:
-        """The step's seats; a chunk that starts its sequence gets its seat zeroed in every recurrent
-        layer first (the seat may hold a finished or preempted request's state)."""
-        meta = RecurrentMetadata.build([c.block_ids[self.num_groups][0] for c in chunks],
-                                       [c.start_pos for c in chunks], [len(c.token_ids) for c in chunks],
-                                       self.device)
-        fresh = [seat for seat, chunk in zip(meta.seats, chunks) if chunk.start_pos == 0]
-        if fresh:
-            index = torch.tensor(fresh, dtype=torch.int64, device=self.device)
-            for state in self.recurrent_states:
-                for tensor in state:
-                    tensor.index_fill_(0, index, 0)
-        return meta
+        """The step's seats, each ready to continue from (runner/recurrent_steps.py)."""
+        return self.recurrent.metadata(chunks, [c.new_block_ids[self.num_groups][0] for c in chunks])
 
-    def _slots(self, chunks: list[ScheduledChunk], group: int) -> list[int]:
-        """Flat cache slot of every new token in this group: one range per block the chunk touches."""
-        bs = self.block_size
-        slots: list[int] = []
-        for chunk in chunks:
-            ids, pos, end = chunk.block_ids[group], chunk.start_pos, chunk.start_pos + len(chunk.token_ids)
-            while pos < end:
-                stop = min(end, (pos // bs + 1) * bs)
-                first = ids[pos // bs] * bs + pos % bs
-                slots.extend(range(first, first + stop - pos))
-                pos = stop
-        return slots
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.finish_step(self.forward_step(so))
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def forward_step(self, so: SchedulerOutput, model_inputs: dict | None = None) -> ForwardedStep:
+        """The step's forward; finish_step pools or samples it. Apart so that under pipeline parallel the
+        driver runs stage 0 of the next micro-batch before it samples this one (distributed/executor.py).
+        model_inputs: extra keyword inputs of the model's forward (an MTP block's previous hidden states)."""
         self._update_states(so)
         req_ids = [c.req_id for c in so.chunks]
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in so.chunks],
                                 logprobs=[None] * len(so.chunks))
         out.errors.update({r: state.error for r in req_ids if (state := self.requests[r]).error is not None})
         if not so.chunks:
-            return out
+            return ForwardedStep(so, out)
         input_ids, positions, layer_meta = self._prepare(so)
         extra = {} if self.pooler is None else token_type_inputs(  # only encoders read token types
             self.model, [len(c.token_ids) for c in so.chunks],
             [self.requests[c.req_id].data.pooling_params for c in so.chunks], self.device)
         if self.encoder_cache is not None:  # images: encode what the scheduler named, splice their rows
             extra.update(self.encoder_cache.model_inputs(so, self._features))
+            extra.update(mrope_inputs(self.model, so, self._features, self.device))  # Qwen-VL's 3-D positions
+        extra.update(model_inputs or {})
         with self._lora_step(so):
             hidden = self.model(input_ids, positions, self.kv_caches, layer_meta, **extra)
-        meta = layer_meta[0]  # the batch layout, the same in every group
+        if self.recurrent is not None:
+            self.recurrent.after_forward()
+        return ForwardedStep(so, out, hidden)
+
+    def finish_step(self, step: ForwardedStep) -> ModelRunnerOutput:
+        out = self._finish_step(step)
+        if self.hidden_observer is not None and step.hidden is not None:
+            self.hidden_observer(step.so, step.hidden, out)
+        return out
+
+    @torch.inference_mode()
+    def _finish_step(self, step: ForwardedStep) -> ModelRunnerOutput:
+        so, out, hidden = step.so, step.out, step.hidden
+        if hidden is None:  # nothing was scheduled
+            return out
+        req_ids = out.req_ids
+        starts = query_start_loc(so.chunks)
         if self.pooler is not None:
-            self._pool(so, hidden, meta, out)
+            self._pool(so, hidden, starts, out)
             return out
 
         # Rows whose logits we need: the last token of each sampling chunk and its drafts' positions,
         # plus prompt positions of requests that asked for prompt_logprobs.
         sample_rows = [i for i, c in enumerate(so.chunks) if c.sample and c.req_id not in out.errors]
-        prompt_spans = self._prompt_logprob_spans(so, meta)
+        prompt_spans = self._prompt_logprob_spans(so, starts)
         wanted = [pos for i in sample_rows for pos in range(
-            meta.query_start_loc[i + 1] - 1 - so.chunks[i].num_draft_tokens, meta.query_start_loc[i + 1])]
+            starts[i + 1] - 1 - so.chunks[i].num_draft_tokens, starts[i + 1])]
         num_sampled = len(wanted)
         for _, (first, count, _) in prompt_spans.items():
             wanted.extend(range(first, first + count))
         if not wanted:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(wanted, device=self.device)])
-        if logits is None:  # a tensor-parallel worker: its logits went to the driver, which samples
+        if logits is None:  # a tensor-parallel worker or a later pipeline stage: the driver samples
             return out
         if sample_rows:
             self._sample(so, sample_rows, logits[:num_sampled], out)
@@ -254,14 +284,13 @@ class ModelRunner:
         return self.lora.running([self.requests[c.req_id].data.lora_request for c in so.chunks],
                                  [len(c.token_ids) for c in so.chunks])
 
-    def _pool(self, so: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata,
-              out: ModelRunnerOutput) -> None:
+    def _pool(self, so: SchedulerOutput, hidden: torch.Tensor, starts: list[int], out: ModelRunnerOutput) -> None:
         """Pool each prompt whose last token was computed this step (the scheduler sends CLS/MEAN
         prompts whole; a LAST-pooled one may arrive in chunks, only its final row matters)."""
         rows = [i for i, c in enumerate(so.chunks) if c.sample]
         if not rows:
             return
-        spans = [(meta.query_start_loc[i], meta.query_start_loc[i + 1]) for i in rows]
+        spans = [(starts[i], starts[i + 1]) for i in rows]
         params = [self.requests[so.chunks[i].req_id].data.pooling_params for i in rows]
         for i, vector in zip(rows, self.pooler(hidden, spans, params)):
             out.pooled[so.chunks[i].req_id] = vector
@@ -269,7 +298,7 @@ class ModelRunner:
     def _num_logprobs(self, k: int) -> int:
         return self.vocab_size if k == -1 else k
 
-    def _prompt_logprob_spans(self, so: SchedulerOutput, meta: AttentionMetadata) -> dict[str, tuple[int, int, list[int]]]:
+    def _prompt_logprob_spans(self, so: SchedulerOutput, starts: list[int]) -> dict[str, tuple[int, int, list[int]]]:
         """req_id → (first flat row, row count, target ids) for prompt positions this step covers."""
         spans = {}
         for i, chunk in enumerate(so.chunks):
@@ -280,9 +309,9 @@ class ModelRunner:
             end = min(chunk.start_pos + len(chunk.token_ids), len(prompt) - 1)
             if end <= chunk.start_pos:
                 if chunk.start_pos == 0:  # a one-token prompt: only the leading None
-                    spans[chunk.req_id] = (meta.query_start_loc[i], 0, [])
+                    spans[chunk.req_id] = (starts[i], 0, [])
                 continue
-            spans[chunk.req_id] = (meta.query_start_loc[i], end - chunk.start_pos, prompt[chunk.start_pos + 1:end + 1])
+            spans[chunk.req_id] = (starts[i], end - chunk.start_pos, prompt[chunk.start_pos + 1:end + 1])
         return spans
 
     def _sample(self, so: SchedulerOutput, rows: list[int], logits: torch.Tensor, out: ModelRunnerOutput) -> None:

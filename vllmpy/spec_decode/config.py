@@ -2,7 +2,9 @@
 
 Defaults follow vLLM: ngram looks up n-grams of prompt_lookup_min..prompt_lookup_max tokens (5..5 when
 neither is given, the other one's value when one is), suffix drafts up to suffix_decoding_max_tree_depth
-tokens. Methods that need heads or a second model we do not run yet parse and are refused by name, so a
+tokens, draft_model drafts greedily with a second checkpoint (`model`; a `model` key without `method` means
+draft_model, as in vLLM), mtp drafts with the target checkpoint's own MTP block (k > 1 chains it, as vLLM
+does; the checkpoint is checked when it opens, spec_decode/mtp.py). Methods that need heads we do not run yet parse and are refused by name, so a
 vLLM command line fails here instead of running without the speculation it asked for.
 """
 from __future__ import annotations
@@ -12,14 +14,12 @@ from typing import Any
 
 from vllmpy.structured_output.params import json_object
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model", "mtp")
 # Parsed, then refused: what each still needs.
 REFUSED_METHODS = {
-    "mtp": "needs a model with MTP heads; none is supported yet",
     "eagle": "needs a model with EAGLE heads; none is supported yet",
     "eagle3": "needs a model with EAGLE heads; none is supported yet",
     "medusa": "needs a model with Medusa heads; none is supported yet",
-    "draft_model": "a second checkpoint with its own KV cache group is not supported yet; use ngram or suffix",
 }
 # Above this many running requests no request drafts: the step is then compute-bound and the drafts'
 # extra query tokens cost more than the forwards they save. A stated choice for the 2-core host with the
@@ -33,7 +33,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None  # ngram
     prompt_lookup_max: int | None = None  # ngram
-    model: str | None = None  # draft_model (refused for now)
+    model: str | None = None  # draft_model: an HF directory, a .gguf file or org/repo
+    revision: str | None = None  # draft_model: the hub revision of `model`
+    draft_tensor_parallel_size: int | None = None  # draft_model: 1 (None = 1); the draft runs in the engine's process
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
@@ -67,7 +69,8 @@ class SpeculativeConfig:
                              f"({', '.join(REFUSED_METHODS)} are not supported yet), got {method!r}")
         raw["method"] = method
         for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                    "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests", "disable_by_batch_size"):
+                    "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests", "disable_by_batch_size",
+                    "draft_tensor_parallel_size"):
             if key in raw and raw[key] is not None:
                 _check_int(key, raw[key])
         for key in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
@@ -75,11 +78,14 @@ class SpeculativeConfig:
                 _check_number(key, raw[key])
         if method == "ngram":
             _resolve_lookup(raw)
-        else:
+        elif method == "suffix":
             raw.setdefault("num_speculative_tokens", raw.get("suffix_decoding_max_tree_depth", 24))
+        elif method == "draft_model" and not raw.get("model"):
+            raise ValueError("--speculative-config: method 'draft_model' needs 'model' (the draft checkpoint: an "
+                             "HF directory, a .gguf file or org/repo)")
         if raw.get("num_speculative_tokens") is None:
-            raise ValueError("--speculative-config: num_speculative_tokens is required for method 'ngram' "
-                             "(the most draft tokens per step, >= 1)")
+            raise ValueError(f"--speculative-config: num_speculative_tokens is required for method {method!r} "
+                             f"(the most draft tokens per step, >= 1)")
         config = cls(**raw)
         config._check()
         return config
@@ -96,13 +102,20 @@ class SpeculativeConfig:
                  self.suffix_decoding_min_token_prob)
         _require(self.disable_by_batch_size >= 1, "disable_by_batch_size", ">= 1", self.disable_by_batch_size)
         if self.draft_sample_method != "greedy":
-            raise ValueError(f"--speculative-config: draft_sample_method must be 'greedy' (n-gram and suffix drafts "
-                             f"are deterministic lookups), got {self.draft_sample_method!r}")
+            raise ValueError(f"--speculative-config: draft_sample_method must be 'greedy' (drafts are lookups or "
+                             f"the draft model's argmax), got {self.draft_sample_method!r}")
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError(f"--speculative-config: draft_tensor_parallel_size must be 1 (the draft model runs "
+                             f"unsharded in the engine's process), got {self.draft_tensor_parallel_size!r}")
 
     def describe(self) -> str:
         """One line for logs and the bench header: the method and the keys that shape it."""
         if self.method == "ngram":
             shape = f"prompt_lookup {self.prompt_lookup_min}..{self.prompt_lookup_max}"
+        elif self.method == "draft_model":
+            shape = f"draft model {self.model}"
+        elif self.method == "mtp":
+            shape = "the target's MTP block"
         else:
             shape = (f"max_tree_depth {self.suffix_decoding_max_tree_depth}, max_spec_factor "
                      f"{self.suffix_decoding_max_spec_factor}, min_token_prob {self.suffix_decoding_min_token_prob}")

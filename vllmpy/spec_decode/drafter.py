@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 from vllmpy.engine.kv_cache_spec import FullAttentionSpec, KVCacheLayout, SlidingWindowSpec
 from vllmpy.spec_decode.config import SpeculativeConfig
-from vllmpy.spec_decode.proposer import Proposer
+from vllmpy.spec_decode.proposer import BatchProposer, DraftRequest, Proposer
 
 # Chosen, not tuned. Measured on the (heavily shared) 2-core host, default model, batch 1: a verification
 # step with 5 drafts cost 2.5-2.9 plain decode steps (its 6 logits rows over a 262k vocabulary weigh), so a
@@ -61,20 +62,38 @@ class Drafter:
         self.proposer = proposer
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._requests: dict[str, _RequestSpec] = {}
+        # A batching proposer drafts for the whole step in begin_step; propose() then hands those out.
+        self._batching = isinstance(proposer, BatchProposer)
+        self._step_drafts: dict[str, list[int]] = {}
 
     def enabled_for(self, num_running: int) -> bool:
         return num_running <= self.config.disable_by_batch_size
 
+    def begin_step(self, candidates: Sequence[DraftRequest]) -> None:
+        """Once per step before propose(): every running decode and the most drafts it may take. A
+        BatchProposer drafts for all of them in one call (a draft model's forwards serve the batch)."""
+        if not self._batching:
+            return
+        batch = [replace(c, k=k) for c in candidates if (k := self._num_drafts(c.req_id, c.k)) > 0]
+        drafts = self.proposer.propose_batch(batch) if batch else []
+        self._step_drafts = {c.req_id: list(d)[:c.k] for c, d in zip(batch, drafts, strict=True)}
+
     def propose(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, max_drafts: int) -> list[int]:
         """Up to min(k, max_drafts) draft tokens to follow the request's verified `token_ids`."""
-        state = self._requests.setdefault(req_id, _RequestSpec())
-        if state.pause > 0:
-            state.pause -= 1
-            return []
-        k = min(math.ceil(self.config.num_speculative_tokens * state.ema), max_drafts)
+        if self._batching:
+            return self._step_drafts.pop(req_id, [])[:max_drafts]
+        k = self._num_drafts(req_id, max_drafts)
         if k <= 0:
             return []
         return list(self.proposer.propose(req_id, token_ids, num_prompt_tokens, k))[:k]
+
+    def _num_drafts(self, req_id: str, max_drafts: int) -> int:
+        """How many drafts the request asks for this step: 0 while paused, else ceil(k x its EMA)."""
+        state = self._requests.setdefault(req_id, _RequestSpec())
+        if state.pause > 0:
+            state.pause -= 1
+            return 0
+        return min(math.ceil(self.config.num_speculative_tokens * state.ema), max_drafts)
 
     def record(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
         """The verifier kept `num_accepted` of the request's `num_drafted` drafts this step."""
@@ -96,29 +115,36 @@ class Drafter:
         self._requests.pop(req_id, None)
         self.proposer.on_request_finished(req_id, token_ids, num_prompt_tokens)
 
+    def preempt(self, req_id: str) -> None:
+        """The request lost its KV blocks: a draft model frees its own for it too."""
+        if self._batching:
+            self.proposer.on_request_preempted(req_id)
 
-def build_drafter(config: SpeculativeConfig | None, layout: KVCacheLayout, task: str) -> Drafter | None:
-    """The engine's drafter, or None with speculation off; refuses models whose state cannot roll back."""
+
+def build_drafter(config: SpeculativeConfig | None, layout: KVCacheLayout, task: str,
+                  proposer: Proposer | None = None) -> Drafter | None:
+    """The engine's drafter, or None with speculation off; refuses models whose state cannot roll back
+    (recurrent layers can: the runner commits the state at the last accepted draft, runner/recurrent_steps.py).
+    `proposer`: one the engine built (a draft model's needs the engine's device and KV budget)."""
     if config is None:
         return None
     if task != "generate":
         raise ValueError(f"--speculative-config: this engine's task is {task!r}; speculation only applies to "
                          f"text generation (task 'generate')")
-    if layout.recurrent:
-        raise ValueError("--speculative-config: this model has recurrent (Mamba / delta-rule) layers, whose state "
-                         "cannot be rolled back past rejected drafts yet; start it without speculation")
     other = sorted({type(group.spec).__name__ for group in layout.groups
                     if not isinstance(group.spec, (FullAttentionSpec, SlidingWindowSpec))})
     if other:
         raise ValueError(f"--speculative-config: KV cache kind {other[0]} is not verified under speculation yet "
                          f"(full and sliding-window attention are); start it without speculation")
-    drafter = Drafter(config, make_proposer(config))
+    drafter = Drafter(config, proposer or make_proposer(config))
     logger.info("speculative decoding: %s", config.describe())
     return drafter
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     """The proposer the config names (imported on use: a method's code loads only when chosen)."""
+    if config.method in ("draft_model", "mtp"):  # needs the loaded draft and its KV budget: engine/core.py passes it
+        raise ValueError(f"--speculative-config: method {config.method!r} needs the engine's draft model proposer")
     if config.method == "ngram":
         from vllmpy.spec_decode.ngram import NgramProposer
 

@@ -3,11 +3,16 @@
 The engine asks a proposer for up to k draft tokens per running request once per step, from the
 request's verified tokens (prompt + output so far); drafts are only hints: verification decides what
 is kept, so a proposer never needs to be right, only cheap and often right.
+
+A proposer whose work is cheaper batched (a draft model: one forward per draft position serves every
+request) also implements BatchProposer: the drafter then calls `propose_batch` once per step with every
+running decode instead of `propose` per request.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 
 class Proposer(Protocol):
@@ -18,3 +23,22 @@ class Proposer(Protocol):
     def on_request_finished(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """The request is done (finished or aborted): forget its state; a proposer that learns across
         requests (suffix decoding) may keep its output."""
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One running decode asking for drafts this step: propose()'s arguments."""
+
+    req_id: str
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    k: int
+
+
+@runtime_checkable
+class BatchProposer(Proposer, Protocol):
+    def propose_batch(self, batch: Sequence[DraftRequest]) -> list[list[int]]:
+        """propose() for every request of the step at once: up to request.k drafts each, in batch order."""
+
+    def on_request_preempted(self, req_id: str) -> None:
+        """The request was preempted (it recomputes from scratch later): drop what it holds."""

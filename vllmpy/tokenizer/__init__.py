@@ -1,7 +1,7 @@
 """Tokenizers for Hugging Face directories and GGUF files, streaming detokenization, chat templates."""
 
-from vllmpy.tokenizer.chat_template import ChatTemplateError
 from vllmpy.tokenizer.detokenizer import IncrementalDetokenizer
+from vllmpy.tokenizer.errors import ChatTemplateError
 from vllmpy.tokenizer.tokenizer import Tokenizer
 
 __all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]

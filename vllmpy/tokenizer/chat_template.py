@@ -11,6 +11,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from vllmpy.tokenizer.errors import ChatTemplateError
+
 # Keys the renderer itself supplies; letting chat_template_kwargs set them would silently fight it.
 RESERVED_KWARGS = frozenset(
     {"messages", "tools", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message"}
@@ -19,10 +21,6 @@ RESERVED_KWARGS = frozenset(
 # Appended to the final message to find where it ends in the rendered prompt; the trailing space
 # tells whether the template trims message text.
 _CONTINUE_MARK = "VLLMPY_CONTINUE_FINAL_MESSAGE "
-
-
-class ChatTemplateError(ValueError):
-    """The chat template cannot be rendered for this request; the message says why."""
 
 
 class _GenerationBlock(Extension):

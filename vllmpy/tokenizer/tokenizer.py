@@ -10,7 +10,7 @@ from typing import Any
 
 import tokenizers
 
-from vllmpy.tokenizer.chat_template import ChatTemplateError, render_chat
+from vllmpy.tokenizer.errors import ChatTemplateError
 from vllmpy.tokenizer.gguf_cache import load_or_build
 from vllmpy.tokenizer.gguf_vocab import GgufTokenizer, tokenizer_from_gguf
 
@@ -125,6 +125,8 @@ class Tokenizer:
         template = chat_template if chat_template is not None else self.chat_template
         if template is None:
             raise ChatTemplateError("the model has no chat template")
+        from vllmpy.tokenizer.chat_template import render_chat  # jinja2 is imported on first use only
+
         special = {k: self._named[k] for k in ("bos_token", "eos_token") if k in self._named}
         return render_chat(
             template,

@@ -27,7 +27,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from vllmpy import __version__
-from vllmpy.engine.async_llm import AsyncLLM, EngineDeadError
+from vllmpy.distributed.dp_client import DPAsyncLLM, start_async_engine
+from vllmpy.engine.async_llm import EngineDeadError
 from vllmpy.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from vllmpy.entrypoints.openai.anthropic_errors import AnthropicRoute
 from vllmpy.entrypoints.openai.errors import RequestError
@@ -553,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         chat_template = _load_chat_template(args.chat_template)
         parsers = ChatParsers.from_flags(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
-        engine = AsyncLLM(engine_config_from_args(args))
+        engine = start_async_engine(engine_config_from_args(args))  # DPAsyncLLM at --data-parallel-size > 1
     except (ValueError, OSError, UnsupportedCheckpointError) as exc:
         print(f"vllm-server: error: {exc}", file=sys.stderr)
         return 2
@@ -561,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         names = args.served_model_name or [args.model or "default"]
         ctx = ServingContext(engine, names, engine.engine.core.checkpoint.path, chat_template=chat_template,
                              chat_template_kwargs=default_chat_template_kwargs(args))
+        if isinstance(engine, DPAsyncLLM):
+            engine.export_metrics(ctx.metrics.registry)
         try:
             ctx.models.load_static(args.lora_modules or [])
         except ValueError as exc:

@@ -10,7 +10,6 @@ from typing import Any
 
 from vllmpy.engine.async_llm import AsyncLLM
 from vllmpy.engine.llm_engine import PromptType
-from vllmpy.entrypoints.bench.header import info_metrics
 from vllmpy.entrypoints.openai.chat_images import load_chat_images
 from vllmpy.entrypoints.openai.errors import RequestError
 from vllmpy.entrypoints.openai.protocol import ChatMessage, ChatRenderFields, SamplingRequest, UsageInfo
@@ -64,7 +63,7 @@ class ServingContext:
         self.default_params = engine.engine.default_sampling_params
         self.chat_template = chat_template
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.metrics = ServerMetrics(engine.stats, self.model_name, info_metrics(engine.engine.core))
+        self.metrics = ServerMetrics(engine.stats, self.model_name, engine.info_metrics())
         core = engine.engine.core
         self.mm_processor = core.mm_processor  # None: a text-only model (image parts are refused)
         self.media = MediaConfig.of(core.config.model)  # where image_url parts may be read from
@@ -125,7 +124,8 @@ class ServingContext:
         if self.chat_template is None and self.tokenizer.chat_template is None:
             raise RequestError("this model has no chat template, so chat messages cannot be rendered; start "
                                "the server with --chat-template <file or template>", "messages")
-        marker = None if self.mm_processor is None else self.mm_processor.layout.marker
+        marker = None if self.mm_processor is None else (self.mm_processor.layout.chat_marker
+                                                         or self.mm_processor.layout.marker)
         takes_parts = template_takes_parts(self.chat_template or self.tokenizer.chat_template)
         try:
             return self.tokenizer.apply_chat_template(

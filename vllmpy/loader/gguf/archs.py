@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.loader.gguf.metadata import ArchMetadata
-from vllmpy.loader.gguf.transforms import (AsRow, ChannelConv, Flatten, NegExpToLog, SubtractOffset, Transform,
-                                           UnpermuteRope)
+from vllmpy.loader.gguf.transforms import AsRow, SubtractOffset, Transform, UnpermuteRope
 
 if TYPE_CHECKING:
     import numpy as np
@@ -103,6 +102,9 @@ class ArchSpec:
     extra_config: Callable[[ArchMetadata, dict, Mapping[str, np.ndarray]], dict] | None = None
     # (HF config key, metadata suffix) of the norm epsilon: RMSNorm families by default.
     norm_eps: tuple[str, str] = ("rms_norm_eps", "attention.layer_norm_rms_epsilon")
+    # GGUF leaf.kind -> HF leaves under model.layers.N: a tensor the converter fused, cut back into
+    # equal row blocks (qwen3next's ssm_ba into in_proj_b / in_proj_a)
+    splits: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _llama_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
@@ -167,7 +169,7 @@ def _gemma2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.nd
             "query_pre_attn_scalar": scalar}
 
 
-def _partial_rotary(meta: ArchMetadata, config: dict) -> dict:
+def partial_rotary(meta: ArchMetadata, config: dict) -> dict:
     """llama.cpp states the rotated width (rope.dimension_count); HF states a fraction of head_dim."""
     if not meta.has("rope.dimension_count"):
         return {}
@@ -175,12 +177,12 @@ def _partial_rotary(meta: ArchMetadata, config: dict) -> dict:
 
 
 def _phi_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
-    return _partial_rotary(meta, config)
+    return partial_rotary(meta, config)
 
 
 def _phi3_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
     """Sliding window 0 means none (Phi-4); LongRoPE comes as two factor tensors plus two keys."""
-    extra = {**_partial_rotary(meta, config), "sliding_window": meta.raw("attention.sliding_window") or None}
+    extra = {**partial_rotary(meta, config), "sliding_window": meta.raw("attention.sliding_window") or None}
     long, short = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
     if (long is None) != (short is None):
         raise UnsupportedCheckpointError("GGUF has only one of rope_factors_long / rope_factors_short")
@@ -195,7 +197,7 @@ def _phi3_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndar
 
 
 def _stablelm_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
-    return {**_partial_rotary(meta, config), "use_parallel_residual": bool(meta.raw("use_parallel_residual", True))}
+    return {**partial_rotary(meta, config), "use_parallel_residual": bool(meta.raw("use_parallel_residual", True))}
 
 
 def _sliding_layer_types(meta: ArchMetadata, config: dict) -> list[str]:
@@ -227,12 +229,12 @@ def _exaone4_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.n
 def _cohere2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
     """llama.cpp hard-codes Cohere 2's pattern: three sliding layers, then a global one (no rope)."""
     layers = config["num_hidden_layers"]
-    return {**_partial_rotary(meta, config),
+    return {**partial_rotary(meta, config),
             "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)]}
 
 
 def _glm4_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
-    return _partial_rotary(meta, config)
+    return partial_rotary(meta, config)
 
 
 # DeepSeek-V2/V3's MLA projections and MoE; llama.cpp's newer converters split kv_b_proj into k_b (stored
@@ -250,7 +252,7 @@ _EXPERT_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's LLAMA_EXPERT_GATING
 
 
 def _deepseek2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
-    """DeepSeek-V2 / V3 / Kimi K2 as llama.cpp's converter states them. Its MLA-as-MQA keys (head_count_kv 1,
+    """DeepSeek-V2 / V3 / Kimi K2 and GLM-4.7-Flash as llama.cpp's converter states them. Its MLA-as-MQA keys (head_count_kv 1,
     key_length = kv_lora_rank + rope) come with key_length_mla / value_length_mla in newer files; older
     files state the per-head sizes as key_length / value_length. A correction bias (exp_probs_b) is V3's router."""
     rope = meta.integer("rope.dimension_count")
@@ -262,7 +264,9 @@ def _deepseek2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np
                                          f"supported: {', '.join(f'{k} ({v})' for k, v in _EXPERT_GATING.items())}")
     groups = meta.integer("expert_group_count", 1)
     biased = config.pop("e_score_correction_bias")
+    nextn = meta.integer("nextn_predict_layers", 0)  # GLM-4.7-Flash's converter keeps its MTP block
     extra = {
+        "num_hidden_layers": config["num_hidden_layers"] - nextn, "num_nextn_predict_layers": nextn,
         "num_key_value_heads": config["num_attention_heads"], "qk_rope_head_dim": rope,
         "qk_nope_head_dim": key - rope, "v_head_dim": value, "kv_lora_rank": meta.integer("attention.kv_lora_rank"),
         "q_lora_rank": meta.integer("attention.q_lora_rank", None),
@@ -277,6 +281,34 @@ def _deepseek2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np
     }
     if biased:
         extra.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+    return extra
+
+
+# MiniCPM3's dense MLA layers under DeepSeek-V2's attention names.
+MINICPM3_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", **MLP_NAMES,
+    **{leaf: DEEPSEEK2_LAYER_NAMES[leaf] for leaf in ("attn_q_a", "attn_q_a_norm", "attn_q_b", "attn_kv_a_mqa",
+                                                       "attn_kv_a_norm", "attn_kv_b", "attn_output")},
+}
+# What llama.cpp hard-codes for MiniCPM3 rather than storing (llm_build_minicpm3).
+MINICPM3_SCALES = {"scale_emb": 12.0, "scale_depth": 1.4, "dim_model_base": 256}
+
+
+def _minicpm3_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
+    """The converter states key_length (nope + rope) and no value_length: llama.cpp's value head is then
+    hidden_size / heads. LongRoPE comes as the two factor tensors, scaled from the training context."""
+    rope = meta.integer("rope.dimension_count")
+    value = meta.integer("attention.value_length", config["hidden_size"] // config["num_attention_heads"])
+    extra = {"qk_rope_head_dim": rope, "qk_nope_head_dim": meta.integer("attention.key_length") - rope,
+             "v_head_dim": value, "kv_lora_rank": meta.integer("attention.kv_lora_rank"),
+             "q_lora_rank": meta.integer("attention.q_lora_rank", None)}
+    long, short = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
+    if (long is None) != (short is None):
+        raise UnsupportedCheckpointError("GGUF has only one of rope_factors_long / rope_factors_short")
+    if long is not None:
+        extra["rope_scaling"] = {"rope_type": "longrope", "long_factor": [float(x) for x in long.reshape(-1)],
+                                 "short_factor": [float(x) for x in short.reshape(-1)],
+                                 "original_max_position_embeddings": config["max_position_embeddings"]}
     return extra
 
 
@@ -304,7 +336,7 @@ def _glm4_moe_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.
     if _EXPERT_GATING.get(gating) != "sigmoid":
         raise UnsupportedCheckpointError(f"GGUF {meta.key('expert_gating_func')}={gating} is not supported for "
                                          f"{meta.arch}; supported: 2 (sigmoid)")
-    return {**_partial_rotary(meta, config), "num_hidden_layers": config["num_hidden_layers"] - nextn,
+    return {**partial_rotary(meta, config), "num_hidden_layers": config["num_hidden_layers"] - nextn,
             "num_nextn_predict_layers": nextn, "n_routed_experts": meta.integer("expert_count"),
             "num_experts_per_tok": meta.integer("expert_used_count"),
             "moe_intermediate_size": meta.integer("expert_feed_forward_length"),
@@ -351,94 +383,6 @@ def _gpt_oss_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.n
             "rope_scaling": None if scaling is None else {**scaling, "truncate": False}}
 
 
-
-def ssm_names(mixer: str) -> dict[str, str]:
-    """llama.cpp's Mamba2 mixer tensors -> HF's under `mixer`: dt_bias is written `ssm_dt.bias`, A and D bare."""
-    return {"ssm_in": f"{mixer}.in_proj", "ssm_conv1d": f"{mixer}.conv1d", "ssm_dt.bias": f"{mixer}.dt_bias",
-            "ssm_a": f"{mixer}.A_log", "ssm_d": f"{mixer}.D", "ssm_norm": f"{mixer}.norm",
-            "ssm_out": f"{mixer}.out_proj"}
-
-
-# The Mamba2 converter squeezes the conv to [C, K], reshapes D to [H, 1] and the norm to [groups, I / groups],
-# and stores A = -exp(A_log).
-SSM_TRANSFORMS: dict[str, Transform] = {"ssm_conv1d.weight": ChannelConv(), "ssm_a": NegExpToLog(),
-                                        "ssm_d": Flatten(), "ssm_norm.weight": Flatten()}
-
-
-def _ssm_sizes(meta: ArchMetadata, hidden: int) -> dict[str, int]:
-    """The mixer's sizes as the converter states them; time_step_rank is the SSM head count."""
-    inner, heads = meta.integer("ssm.inner_size"), meta.integer("ssm.time_step_rank")
-    if heads <= 0 or inner % heads or inner % hidden:
-        raise UnsupportedCheckpointError(
-            f"GGUF {meta.key('ssm.inner_size')}={inner} must be a multiple of {meta.key('ssm.time_step_rank')}"
-            f"={heads} heads and of embedding_length {hidden}")
-    return {"heads": heads, "head_dim": inner // heads, "groups": meta.integer("ssm.group_count"),
-            "state": meta.integer("ssm.state_size"), "conv": meta.integer("ssm.conv_kernel"), "expand": inner // hidden}
-
-
-def _mamba2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
-    """Mamba2's converter states head_count 0 and feed_forward_length 0: attention-free, no MLP."""
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        config.pop(key)
-    ssm = _ssm_sizes(meta, config["hidden_size"])
-    return {"num_heads": ssm["heads"], "head_dim": ssm["head_dim"], "n_groups": ssm["groups"],
-            "state_size": ssm["state"], "conv_kernel": ssm["conv"], "expand": ssm["expand"]}
-
-
-def _attention_layers(meta: ArchMetadata, layers: int) -> list[bool]:
-    """Hybrids' head_count_kv lists one count per layer, 0 on the recurrent ones."""
-    per_layer = meta.raw("attention.head_count_kv")
-    if not isinstance(per_layer, list) or len(per_layer) != layers:
-        raise UnsupportedCheckpointError(
-            f"GGUF {meta.key('attention.head_count_kv')!r} must list one head count per layer ({layers} layers)")
-    return [bool(heads) for heads in per_layer]
-
-
-# Granite 4.0-H and Bamba (both `granitehybrid`): Mamba2 or attention per layer, a shared MLP (ffn_* when
-# dense, ffn_*_shexp beside the experts), the experts' input_linear split into gate and up stacks.
-GRANITE_HYBRID_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", **ATTENTION_NAMES,
-    **ssm_names("linear_attn"), "ffn_gate_inp": "mlp.moe.gate", "ffn_gate_exps": "mlp.moe.experts.gate_proj",
-    "ffn_up_exps": "mlp.moe.experts.up_proj", "ffn_down_exps": "mlp.moe.experts.down_proj",
-    "ffn_gate": "mlp.shared.gate_proj", "ffn_up": "mlp.shared.up_proj", "ffn_down": "mlp.shared.down_proj",
-    "ffn_gate_shexp": "mlp.shared.gate_proj", "ffn_up_shexp": "mlp.shared.up_proj",
-    "ffn_down_shexp": "mlp.shared.down_proj",
-}
-
-
-def _granite_hybrid_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
-    """The layer pattern is head_count_kv per layer (0: Mamba2); llama.cpp's rope switch for the family is
-    rope.scaling.finetuned (Bamba ropes, Granite 4.0-H is NoPE)."""
-    attention = _attention_layers(meta, config["num_hidden_layers"])
-    ssm = _ssm_sizes(meta, config["hidden_size"])
-    rope = bool(meta.raw("rope.scaling.finetuned", False))
-    experts = meta.integer("expert_count", 0)
-    return {
-        "layer_types": ["attention" if a else "mamba" for a in attention],
-        "position_embedding_type": "rope" if rope else "nope", **(_partial_rotary(meta, config) if rope else {}),
-        "mamba_n_heads": ssm["heads"], "mamba_d_head": ssm["head_dim"], "mamba_n_groups": ssm["groups"],
-        "mamba_d_state": ssm["state"], "mamba_d_conv": ssm["conv"], "mamba_expand": ssm["expand"],
-        "num_local_experts": experts, "num_experts_per_tok": meta.integer("expert_used_count", 0),
-        "shared_intermediate_size": meta.integer("expert_shared_feed_forward_length", config["intermediate_size"]),
-    }
-
-
-
-# LFM2's short-conv layers (`shortconv.*`, the conv squeezed to [C, K]) beside attention with q/k norms;
-# its final norm is llama.cpp's token_embd_norm (HF's embedding_norm).
-LFM2_LAYER_NAMES = {
-    "attn_norm": "operator_norm", "ffn_norm": "ffn_norm", **ATTENTION_NAMES, "attn_output": "self_attn.out_proj",
-    "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm",
-    "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj",
-    "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
-}
-
-
-def _lfm2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
-    """feed_forward_length is the MLP's built width (the converter applies block_auto_adjust_ff_dim)."""
-    attention = _attention_layers(meta, config["num_hidden_layers"])
-    return {"layer_types": ["full_attention" if a else "conv" for a in attention], "block_auto_adjust_ff_dim": False,
-            "conv_L_cache": meta.integer("shortconv.l_cache"), "norm_eps": config["rms_norm_eps"]}
 
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec(
@@ -648,6 +592,15 @@ ARCHS: dict[str, ArchSpec] = {
         tensor_flags={"e_score_correction_bias": "exp_probs_b.bias"},  # read and dropped by _deepseek2_config
         extra_config=_deepseek2_config,
     ),
+    "minicpm3": ArchSpec(
+        hf_architecture="MiniCPM3ForCausalLM",
+        model_type="minicpm3",
+        layer_names=MINICPM3_LAYER_NAMES,
+        config_constants={"hidden_act": "silu", **MINICPM3_SCALES},
+        head_dim_keys=("rope.dimension_count",),
+        config_tensors=frozenset({"rope_factors_long.weight", "rope_factors_short.weight"}),
+        extra_config=_minicpm3_config,
+    ),
     # Post-norms only (OLMo 2's block), per-head q/k norm; neox rope, so no row permutation.
     "exaone4": ArchSpec(
         hf_architecture="Exaone4ForCausalLM",
@@ -711,47 +664,5 @@ ARCHS: dict[str, ArchSpec] = {
         tensor_flags={"attention_bias": "attn_q.bias"},
         extra_config=_gpt_oss_config,
     ),
-    "mamba2": ArchSpec(
-        hf_architecture="Mamba2ForCausalLM",
-        model_type="mamba2",
-        layer_names={"attn_norm": "norm", **ssm_names("mixer")},
-        config_constants={"hidden_act": "silu"},
-        head_dim_keys=(),
-        tensor_flags={"use_bias": "ssm_in.bias", "use_conv_bias": "ssm_conv1d.bias"},
-        transforms=SSM_TRANSFORMS,
-        extra_config=_mamba2_config,
-    ),
-    "granitehybrid": ArchSpec(
-        hf_architecture="GraniteMoeHybridForCausalLM",
-        model_type="granitemoehybrid",
-        layer_names=GRANITE_HYBRID_LAYER_NAMES,
-        config_constants={"hidden_act": "silu"},
-        optional_keys=GRANITE_SCALES,
-        head_dim_keys=("attention.key_length",),  # Bamba's rope.dimension_count is the rotated half
-        tensor_flags={"attention_bias": "attn_q.bias", "mamba_conv_bias": "ssm_conv1d.bias",
-                      "mamba_proj_bias": "ssm_in.bias"},
-        transforms={**LLAMA_ROPE_UNPERMUTE, **SSM_TRANSFORMS},
-        extra_config=_granite_hybrid_config,
-    ),
-    "lfm2": ArchSpec(
-        hf_architecture="Lfm2ForCausalLM",
-        model_type="lfm2",
-        layer_names=LFM2_LAYER_NAMES,
-        global_names={**GLOBAL_NAMES, "token_embd_norm": "model.embedding_norm"},
-        config_constants={"hidden_act": "silu"},
-        head_dim_keys=("attention.key_length",),
-        tensor_flags={"conv_bias": "shortconv.conv.bias"},
-        transforms={"shortconv.conv.weight": ChannelConv()},
-        extra_config=_lfm2_config,
-    ),
 }
 
-
-def arch_spec(arch: Any) -> ArchSpec:
-    if arch is None:
-        raise UnsupportedCheckpointError("GGUF metadata key 'general.architecture' is required but missing")
-    if arch not in ARCHS:
-        raise UnsupportedCheckpointError(
-            f"GGUF architecture {arch!r} (general.architecture) is not supported; "
-            f"supported: {', '.join(sorted(ARCHS))}")
-    return ARCHS[arch]

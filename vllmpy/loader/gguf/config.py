@@ -41,9 +41,11 @@ def build_config(spec: ArchSpec, meta: ArchMetadata, shapes: Mapping[str, tuple[
     config: dict[str, Any] = {"architectures": [spec.hf_architecture], "model_type": spec.model_type}
     config.update(spec.config_constants)
     for hf_key, suffix in REQUIRED_INT_KEYS.items():
-        config[hf_key] = meta.integer(suffix)
+        if hf_key in config and not meta.has(suffix):  # the spec's constant stands in for a key it may omit
+            continue
+        config[hf_key] = _per_layer_max(meta, suffix, None)
     heads = config["num_attention_heads"]
-    config["num_key_value_heads"] = _kv_heads(meta, heads)
+    config["num_key_value_heads"] = _per_layer_max(meta, "attention.head_count_kv", heads)
     config["head_dim"] = _head_dim(spec, meta, config)
     eps_key, eps_suffix = spec.norm_eps
     config[eps_key] = meta.number(eps_suffix)
@@ -64,12 +66,13 @@ def build_config(spec: ArchSpec, meta: ArchMetadata, shapes: Mapping[str, tuple[
     return config
 
 
-def _kv_heads(meta: ArchMetadata, heads: int) -> int:
-    """Hybrids' converters state head_count_kv per layer (0 on recurrent layers): the attention layers' count."""
-    per_layer = meta.raw("attention.head_count_kv")
+def _per_layer_max(meta: ArchMetadata, suffix: str, default: int | None) -> int:
+    """An integer key, or the largest of its per-layer values: hybrids' converters state head_count_kv
+    (0 on recurrent layers) and Nemotron-H's feed_forward_length (0 off the MLP layers) per layer."""
+    per_layer = meta.raw(suffix)
     if isinstance(per_layer, list):
         return max(per_layer, default=0)
-    return meta.integer("attention.head_count_kv", heads)
+    return meta.integer(suffix) if default is None else meta.integer(suffix, default)
 
 
 def _head_dim(spec: ArchSpec, meta: ArchMetadata, config: dict) -> int | None:

@@ -16,14 +16,15 @@ from typing import Any
 import torch
 
 from vllmpy.errors import UnsupportedCheckpointError
-from vllmpy.loader.gguf.archs import ArchSpec, arch_spec
+from vllmpy.loader.gguf.archs import ArchSpec
 from vllmpy.loader.gguf.config import build_config
 from vllmpy.loader.gguf.file import GGUFTensor, read_gguf
 from vllmpy.loader.gguf.metadata import ArchMetadata
-from vllmpy.loader.gguf.names import hf_name
+from vllmpy.loader.gguf.names import TensorName, hf_name
 from vllmpy.layers.moe import expert_name, is_expert_stack
 from vllmpy.layers.quantized import PackedTensor
 from vllmpy.loader.gguf.quant import check_type, hf_shape, to_packed, to_packed_stack, to_torch
+from vllmpy.loader.gguf.registry import arch_spec
 from vllmpy.loader.gguf.transforms import Transform
 
 _BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
@@ -34,6 +35,7 @@ class _Planned:
     tensor: GGUFTensor
     name: str  # HF name
     transform: Transform | None
+    parts: tuple[str, ...]  # the HF names it yields: (name,), or the equal row blocks of a split tensor
 
 
 class GGUFCheckpoint:
@@ -58,8 +60,8 @@ class GGUFCheckpoint:
 
     @property
     def num_tensors(self) -> int:
-        """How many tensors `weights()` yields."""
-        return len(self._plan)
+        """How many tensors `weights()` yields (a split tensor counts once per part)."""
+        return sum(len(planned.parts) for planned in self._plan)
 
     def weights(self, dtype: torch.dtype, keep_packed: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
         """(HF name, tensor in HF layout) pairs, each dequantized only when reached.
@@ -76,15 +78,26 @@ class GGUFCheckpoint:
                     yield expert_name(planned.name, expert), part
                 continue
             packed = to_packed(planned.tensor) if keep_packed else None
-            if packed is not None and (transform is None or transform.rows_only):
-                if transform is not None:
-                    packed.data = transform(packed.data, self._config)
-                yield planned.name, packed
+            if packed is not None and transform is not None:
+                packed = transform.packed(packed, self._config)
+            if packed is not None:
+                yield from zip(planned.parts, _row_parts(packed, len(planned.parts)))
                 continue
             tensor = to_torch(planned.tensor)
             if transform is not None:
                 tensor = transform(tensor, self._config)
-            yield planned.name, tensor.to(dtype)
+            yield from zip(planned.parts, _row_parts(tensor.to(dtype), len(planned.parts)))
+
+
+def _row_parts(tensor: torch.Tensor | PackedTensor, count: int) -> list[torch.Tensor | PackedTensor]:
+    """A tensor the converter fused (`ArchSpec.splits`) cut back into `count` equal row blocks."""
+    if count == 1:
+        return [tensor]
+    if isinstance(tensor, torch.Tensor):
+        return list(tensor.chunk(count))
+    rows = tensor.shape[0] // count
+    return [PackedTensor(data, tensor.ggml_type, (rows, tensor.shape[1]), tensor.input_perm)
+            for data in tensor.data.chunk(count)]
 
 
 def _open(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
@@ -127,8 +140,22 @@ def _plan(arch: str, spec: ArchSpec, tensors: list[GGUFTensor], config: dict) ->
         transform = spec.transforms.get(name.key)
         if transform is not None:
             transform.check(tensor.name, hf_shape(tensor), config)
-        plan.append(_Planned(tensor, name.hf, transform))
+        parts = _split_names(spec, name, tensor)
+        plan.append(_Planned(tensor, name.hf, transform, parts))
     return plan
+
+
+def _split_names(spec: ArchSpec, name: TensorName, tensor: GGUFTensor) -> tuple[str, ...]:
+    """The HF names of a tensor's row blocks: its own name, or those `spec.splits` lists for its leaf."""
+    leaves = spec.splits.get(name.key)
+    if leaves is None:
+        return (name.hf,)
+    rows = hf_shape(tensor)[0]
+    if rows % len(leaves):
+        raise UnsupportedCheckpointError(
+            f"tensor {tensor.name!r} has {rows} rows, which do not split into {len(leaves)} equal parts")
+    layer = name.hf.split(".")[2]
+    return tuple(f"model.layers.{layer}.{leaf}" for leaf in leaves)
 
 
 def _is_mtp_block(name: str, config: dict) -> bool:
