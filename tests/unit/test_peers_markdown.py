@@ -1,6 +1,6 @@
 """benchmarks/markdown.py renders BENCHMARKS.md from a peers.py run: both dtypes of vllmpy and vLLM, the
 comparison with vLLM's better dtype, the batch-scaling table and the achieved bandwidth, and still renders
-runs saved before those fields existed (benchmarks/peers-latest.json)."""
+runs saved before those fields existed (the d34960a run, kept in tests/unit/data)."""
 from __future__ import annotations
 
 import copy
@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+OLD_RUN = Path(__file__).resolve().parent / "data" / "peers_run_d34960a.json"
 sys.path.insert(0, str(BENCHMARKS))
 
 import markdown  # noqa: E402
 
 
 def old_run() -> dict:
-    return json.loads((BENCHMARKS / "peers-latest.json").read_text())
+    return json.loads(OLD_RUN.read_text())
 
 
 def two_dtype_run() -> dict:
