@@ -10,15 +10,25 @@ per-round ratio to the small-batch kernel.
 toggles every decode step between the former one (small-batch kernel off) and the current one, ratio of
 adjacent steps; (B) batch-1 and batch-16 decode runs alternate (prefix-cached 128-token prompts), per pair
 16 x t1 / t16 (batch-16 decode tok/s over batch-1) for each dispatch. With VLLMPY_PROFILE=1 the decode steps'
-phase breakdown per (dispatch, batch) follows.
+phase breakdown per (dispatch, batch) follows. `--toggle amx`: the former dispatch is the small-batch kernel's
+VNNI panels, the current its AMX tiles (where the CPU has them).
 
     OMP_NUM_THREADS=1 VLLMPY_PROFILE=1 taskset -c 1 python benchmarks/kernels.py --engine --pairs 20 --reps 12
+
+--sweep: batch-1 vq_matmul as a decode step reads the weights: all 18 layers' tensors in model order, then
+the whole tied head, against one layer's tensors repeated as often (in cache: what a one-tensor loop times),
+ms and GB/s per pass; with --against OLD.so (an earlier build of ggml_blocks.c) the two libraries alternate
+per round and the per-round ratio old / current is printed. At --threads 1 the times are the thread's CPU
+time, which load from other processes barely moves.
+
+    python benchmarks/kernels.py --sweep --threads 1 --reps 8 --against /tmp/old-ggml_blocks.so
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -66,12 +76,21 @@ def _use_small_kernel(on: bool) -> None:
     quantized.SMALL_MIN_ROWS = 4 if on else quantized.SMALL_MAX_ROWS + 1
 
 
+def _use_amx(on: bool) -> None:
+    """The small-batch kernel with its AMX tiles where the CPU has them (current), or its VNNI panels (former)."""
+    block_kernels().vq_matmul_small_amx(int(on))
+
+
+# --engine --toggle: which change (A) and (B) measure, former vs current.
+TOGGLES = {"small": _use_small_kernel, "amx": _use_amx}
+
+
 def _spread(values: list[float]) -> str:
     return f"median {statistics.median(values):.2f}x (min {min(values):.2f}, max {max(values):.2f}, {len(values)})"
 
 
-def engine_ab(pairs: int, reps: int) -> None:
-    """(A) and (B) of the module docstring."""
+def engine_ab(pairs: int, reps: int, use: Callable[[bool], None] = _use_small_kernel) -> None:
+    """(A) and (B) of the module docstring; `use(on)` switches between the former and the current dispatch."""
     from vllmpy import LLM, SamplingParams
     from vllmpy.entrypoints.bench.prompts import random_token_prompts, usable_token_ids
 
@@ -84,7 +103,7 @@ def engine_ab(pairs: int, reps: int) -> None:
 
     def step():  # times each step; the run's first (the prompts' last token) is left out of times and profiles
         if run_state["toggle"]:
-            _use_small_kernel(run_state["index"] % 2 == 1)
+            use(run_state["index"] % 2 == 1)
         prof.total = run_state["tally"] if run_state["index"] else profiling._Tally()
         start = time.perf_counter()
         result = inner()
@@ -107,7 +126,7 @@ def engine_ab(pairs: int, reps: int) -> None:
     scaling: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(reps):
         for on in (False, True):
-            _use_small_kernel(on)
+            use(on)
             t1 = statistics.median(t for _, t in run(1, 9, tallies[(on, 1)]))
             t16 = statistics.median(t for _, t in run(16, 9, tallies[(on, 16)]))
             scaling[on].append(16 * t1 / t16)
@@ -117,7 +136,68 @@ def engine_ab(pairs: int, reps: int) -> None:
         for (on, batch), tally in tallies.items():
             print(tally.report(f"{'current' if on else 'former'} dispatch, batch {batch} decode steps"))
     prof.total = profiling._Tally()  # printed above: nothing more at exit
-    _use_small_kernel(True)
+    use(True)
+
+
+Packed = tuple[int, torch.Tensor, int, int]  # ggml type, packed bytes, rows, cols
+
+
+def _model_order() -> tuple[list[Packed], list[Packed], Packed]:
+    """Every layer's 2-D packed weight in file order, layer 0's, and the head."""
+    _, tensors = read_gguf(default_model_path())
+    layers, first, head = [], [], None
+    for tensor in tensors:
+        if len(tensor.shape) != 2 or int(tensor.tensor_type) == 0:
+            continue
+        rows, cols = hf_shape(tensor)
+        entry = (int(tensor.tensor_type), torch.from_numpy(tensor.data.view("uint8").reshape(rows, -1).copy()),
+                 rows, cols)
+        if tensor.name == "token_embd.weight":
+            head = entry
+        else:
+            layers.append(entry)
+            if tensor.name.startswith("blk.0."):
+                first.append(entry)
+    assert head is not None
+    return layers, first, head
+
+
+def sweep(threads: int, reps: int, against: str | None) -> None:
+    """--sweep of the module docstring."""
+    import ctypes
+
+    from vllmpy.kernels import _bind_blocks
+    libs = {"current": block_kernels()}
+    if against:
+        libs = {"old": _bind_blocks(ctypes.CDLL(against)), **libs}
+    layers, first, head = _model_order()
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    xs = {cols: torch.randn(1, cols) for cols in {t[3] for t in [*layers, head]}}
+    y = torch.empty(1, head[2])
+
+    def run(lib: ctypes.CDLL, tensors: list[Packed]) -> float:
+        start = clock()
+        for ggml_type, data, rows, cols in tensors:
+            lib.vq_matmul(ggml_type, data.data_ptr(), data.shape[1], rows, cols, xs[cols].data_ptr(), 1,
+                          y.data_ptr(), rows, threads)
+        return clock() - start
+
+    passes = {"layers in order": layers, "head": [head], f"layer 0 x{len(layers) // len(first)} (cached)":
+              first * (len(layers) // len(first))}
+    times = {(name, p): [] for name in libs for p in passes}
+    for rep in range(reps + 1):  # the first round warms up and is dropped
+        for name, lib in libs.items():
+            for p, tensors in passes.items():
+                t = run(lib, tensors)
+                if rep:
+                    times[(name, p)].append(t)
+    for p, tensors in passes.items():
+        size = sum(t[1].numel() for t in tensors)
+        cells = [f"{name} {statistics.median(times[(name, p)]) * 1e3:7.2f} ms "
+                 f"({size / statistics.median(times[(name, p)]) / 1e9:5.1f} GB/s)" for name in libs]
+        if against:
+            cells.append("old / current " + _spread([a / b for a, b in zip(times[("old", p)], times[("current", p)])]))
+        print(f"{p:24} " + "   ".join(cells))
 
 
 def main() -> None:
@@ -128,9 +208,16 @@ def main() -> None:
     parser.add_argument("--head-rows", type=int, default=16384, help="rows of the tied head to time (of 262144)")
     parser.add_argument("--engine", action="store_true", help="the end-to-end A/B on the default model instead")
     parser.add_argument("--pairs", type=int, default=20, help="--engine: (A)'s adjacent step pairs")
+    parser.add_argument("--toggle", choices=sorted(TOGGLES), default="small",
+                        help="--engine: the change measured (small: the small-batch kernel; amx: its AMX tiles)")
+    parser.add_argument("--sweep", action="store_true", help="batch-1 calls over all layers and the head instead")
+    parser.add_argument("--against", help="--sweep: an earlier ggml_blocks .so to alternate with")
     args = parser.parse_args()
+    if args.sweep:
+        sweep(args.threads, args.reps, args.against)
+        return
     if args.engine:
-        engine_ab(args.pairs, args.reps)
+        engine_ab(args.pairs, args.reps, TOGGLES[args.toggle])
         return
     weights = _weights(args.head_rows)
     print(f"{'tensor':24} {'type':>4} {'rows':>4}  " + "  ".join(f"{k + ' us':>18}" for k in KERNELS)

@@ -37,8 +37,10 @@ def workload_table(w: dict, versions: dict[str, str]) -> str:
     ours = [o for o in OURS if o in medians] or ["vllmpy"]
     better = better_dtypes(medians)
     extra_keys = sorted({k for e in w["extra"].values() for k in e})
+    accepted = _acceptance_cells(w)
     head = ["engine", "version", f"{w['metric']} (median)", "min - max", "runs", *[f"{o} / engine" for o in ours],
-            *[f"vllmpy / {peer}'s better dtype ({best})" for peer, best in better.items()], *extra_keys]
+            *[f"vllmpy / {peer}'s better dtype ({best})" for peer, best in better.items()], *extra_keys,
+            *(["draft acceptance (median)"] if accepted else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for engine, values in runs.items():
         median = medians[engine]
@@ -46,11 +48,22 @@ def workload_table(w: dict, versions: dict[str, str]) -> str:
                  str(len(values)), *[_ratio(medians.get(o), median) for o in ours]]
         cells += [_ratio(median, medians[best]) if engine in OURS else "" for best in better.values()]
         cells += [_fmt(_median(w["extra"][engine][k])) for k in extra_keys]
+        cells += [accepted.get(engine, "")] if accepted else []
         lines.append("| " + " | ".join(cells) + " |")
     blank = len(head) - 3
     for engine in w["skipped"]:
         lines.append("| " + " | ".join([engine, "", "not measured", "", "0", *[""] * (blank - 2)]) + " |")
     return "\n".join(lines)
+
+
+def _acceptance_cells(w: dict) -> dict[str, str]:
+    """Engine -> the median share of its draft tokens accepted over its runs, for engines that speculated
+    (runs saved before peers.py recorded acceptance have none)."""
+    cells = {}
+    for engine, runs in w.get("acceptance", {}).items():
+        rates = [r["acceptance_rate"] for r in runs if r.get("acceptance_rate") is not None]
+        cells[engine] = f"{_median(rates):.2f}" if rates else "no drafts"
+    return cells
 
 
 def scaling_table(w: dict, versions: dict[str, str]) -> str:

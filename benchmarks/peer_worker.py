@@ -38,13 +38,19 @@ def load_vllm(model: str, max_model_len: int, max_num_seqs: int, kv_cache_bytes:
 def load_llama_cpp(model: str, max_model_len: int, threads: int,
                    prompt_lookup: dict | None = None) -> tuple[str, Generate]:
     """llama-cpp-python's Python API decodes one sequence at a time, so the prompts run one after another.
-    prompt_lookup: arguments of its LlamaPromptLookupDecoding (n-gram drafts from the context), else none."""
+    prompt_lookup: arguments of its LlamaPromptLookupDecoding (n-gram drafts from the context), else none.
+    Drafting verifies from logits of every position, so it needs logits_all=True (a draft model alone turns
+    on the all-positions decode but leaves the n_batch-row scores buffer, which the first long prompt
+    overflows): n_ctx x vocabulary float32 scores, 1 GiB per 1,024 tokens of Gemma 3's 262k vocabulary, so
+    peers.py fits max_model_len to the prompts."""
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     draft = LlamaPromptLookupDecoding(**prompt_lookup) if prompt_lookup else None
     llm = llama_cpp.Llama(model_path=model, n_ctx=max_model_len, n_threads=threads, n_threads_batch=threads,
-                          draft_model=draft, verbose=False)
+                          draft_model=draft, logits_all=draft is not None, verbose=False)
+    if draft is not None:  # fault the scores buffer in now: else the first long prompt's timing pays for it
+        llm.scores.fill(0.0)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> int:
         produced = 0

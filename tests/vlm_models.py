@@ -114,6 +114,33 @@ def mm_prompt(text: str, images: list) -> dict:
     return {"prompt": text, "multi_modal_data": {"image": images}}
 
 
+def with_images(cases: list[tuple[str, list[tuple[int, int, int]]]]) -> list[tuple[str, list]]:
+    """(text, [(width, height, seed), ...]) cases with their sample images drawn: fresh PIL images per call."""
+    return [(text, [sample_image(*size) for size in sizes]) for text, sizes in cases]
+
+
+def build_tiny_vlm(make, tokenizer_dir: str, tmp_path_factory, name: str, *args) -> tuple[str, object, object]:
+    """A module fixture's body: make(tokenizer_dir, out, *args) saved under a fresh temp dir named `name`;
+    returns (its path, the transformers model, its processor)."""
+    out = tmp_path_factory.mktemp(name)
+    model, processor = make(tokenizer_dir, out, *args)
+    return str(out), model, processor
+
+
+def fp32_llm(path: str, num_blocks: int = 64, **kwargs):
+    """An fp32 LLM on a tiny VLM checkpoint: a small pool of 16-token blocks (kwargs override either)."""
+    from vllmpy import LLM
+    return LLM(model=path, dtype="float32", **{"num_blocks": num_blocks, "block_size": 16, **kwargs})
+
+
+def process_like_transformers(llm, processor, text: str, images: list) -> tuple[dict, list]:
+    """transformers' processor outputs (numpy) and our features for one prompt; the token ids must be equal."""
+    ref = processor(text=[text], images=[images], return_tensors="np")
+    _, token_ids, features = llm.engine.core.mm_processor.process(mm_prompt(text, images))
+    assert token_ids == ref["input_ids"][0].tolist(), text
+    return ref, features
+
+
 def gate_vlm(llm, model, processor, cases: list[tuple[str, list]], max_tokens: int, label: str):
     """Greedy `max_tokens` per (text, images) with vllmpy and with transformers on the processor's
     inputs (pixel values, and token_type_ids where the processor makes them), compared as tests/gate.py.

@@ -50,6 +50,15 @@ class _EngineCollector:
                     ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
                     ("vllm:num_preemptions", "Preemptions (a request's blocks freed to be recomputed).",
                      s.num_preemptions))
+        if s.recurrent_snapshot_slots:  # hybrid models' prefix caching (engine/recurrent_snapshots.py)
+            gauges += (("vllm:recurrent_snapshot_slots", "Recurrent-state snapshot slots in the pool.",
+                        s.recurrent_snapshot_slots),
+                       ("vllm:recurrent_snapshot_bytes", "Bytes of recurrent state held by published snapshots.",
+                        s.recurrent_snapshot_bytes))
+            counters += (("vllm:recurrent_snapshots_taken", "Recurrent-state snapshots written and published.",
+                          s.recurrent_snapshots_taken),
+                         ("vllm:recurrent_snapshot_hits", "Admissions that resumed a recurrent-state snapshot.",
+                          s.recurrent_snapshot_hits))
         for kind, suffix, rows in ((GaugeMetricFamily, "", gauges), (CounterMetricFamily, "_total", counters)):
             for name, doc, value in rows:
                 family = kind(name, doc, labels=["model_name"])
@@ -72,7 +81,11 @@ class _EngineCollector:
 _STAT_OF = {"vllm:num_requests_running": "num_running", "vllm:num_requests_waiting": "num_waiting",
             "vllm:kv_cache_usage_perc": "kv_cache_usage", "vllm:prompt_tokens": "prompt_tokens_total",
             "vllm:generation_tokens": "generation_tokens_total", "vllm:prefix_cache_queries": "prefix_cache_queries",
-            "vllm:prefix_cache_hits": "prefix_cache_hits", "vllm:num_preemptions": "num_preemptions"}
+            "vllm:prefix_cache_hits": "prefix_cache_hits", "vllm:num_preemptions": "num_preemptions",
+            "vllm:recurrent_snapshot_slots": "recurrent_snapshot_slots",
+            "vllm:recurrent_snapshot_bytes": "recurrent_snapshot_bytes",
+            "vllm:recurrent_snapshots_taken": "recurrent_snapshots_taken",
+            "vllm:recurrent_snapshot_hits": "recurrent_snapshot_hits"}
 
 
 def _sum_stats(engines: list[EngineStats]) -> EngineStats:

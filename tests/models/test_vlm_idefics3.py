@@ -8,14 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.vlm_models import (
-    IDEFICS3_TILE_TOKENS,
-    agree_batched_and_chunked,
-    assert_gate,
-    make_tiny_idefics3,
-    mm_prompt,
-    sample_image,
-)
+from tests import vlm_models as vlm
 
 MAX_TOKENS = 32
 CASES = [("<image>Describe this picture.", [(40, 24, 0)]), ("What is in <image>? Answer:", [(20, 36, 1)]),
@@ -24,55 +17,51 @@ TILES = [[7], [7], [10, 7]]  # 2x3 + global, 3x2 + global; 3x3 + global, 3x2 + g
 
 
 def _cases():
-    return [(text, [sample_image(*size) for size in sizes]) for text, sizes in CASES]
+    return vlm.with_images(CASES)
 
 
 @pytest.fixture(scope="module")
 def idefics3(smollm2_tokenizer_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_idefics3")
-    model, processor = make_tiny_idefics3(smollm2_tokenizer_dir, out)
-    return str(out), model, processor
+    return vlm.build_tiny_vlm(vlm.make_tiny_idefics3, smollm2_tokenizer_dir, tmp_path_factory, "tiny_idefics3")
 
 
 def _llm(path, **kwargs):
-    from vllmpy import LLM
-    return LLM(model=path, dtype="float32", **{"num_blocks": 96, "block_size": 16, **kwargs})
+    return vlm.fp32_llm(path, 96, **kwargs)
 
 
 def test_processor_matches_transformers(idefics3):
     path, _, processor = idefics3
     llm = _llm(path)
     for (text, images), tiles in zip(_cases(), TILES):
-        ref = processor(text=[text], images=[images], return_tensors="np")
-        _, token_ids, features = llm.engine.core.mm_processor.process(mm_prompt(text, images))
-        assert token_ids == ref["input_ids"][0].tolist(), text
+        ref, features = vlm.process_like_transformers(llm, processor, text, images)
         assert [len(f.pixel_values) for f in features] == tiles
         ours = np.concatenate([f.pixel_values for f in features])
         assert ours.dtype == np.float32 and np.array_equal(ours, ref["pixel_values"][0][:len(ours)]), text
         assert not ref["pixel_values"][0][len(ours):].any()  # the rest is the batch's zero padding
         for feature, n in zip(features, tiles):  # tile tags inside the span take no encoder row
-            assert feature.embed_mask is not None and feature.embed_mask.sum() == n * IDEFICS3_TILE_TOKENS
+            assert feature.embed_mask is not None and feature.embed_mask.sum() == n * vlm.IDEFICS3_TILE_TOKENS
 
 
 def test_greedy_matches_transformers(idefics3, gate_report):
     path, model, processor = idefics3
-    assert_gate(gate_report, _llm(path), model, processor, _cases(), MAX_TOKENS, "Idefics3ForConditionalGeneration",
-                "SigLIP-style 2 layers on 32x32 tiles, pixel shuffle 2, 16 tokens per tile, up to 3x3 tiles + global, "
-                "Llama LM")
+    vlm.assert_gate(gate_report, _llm(path), model, processor, _cases(), MAX_TOKENS,
+                    "Idefics3ForConditionalGeneration",
+                    "SigLIP-style 2 layers on 32x32 tiles, pixel shuffle 2, 16 tokens per tile, up to 3x3 tiles + "
+                    "global, Llama LM")
 
 
 def test_smolvlm_greedy_matches_transformers(smollm2_tokenizer_dir, tmp_path, gate_report):
     """SmolVLMForConditionalGeneration with SmolVLMImageProcessor: served by the same code."""
-    model, processor = make_tiny_idefics3(smollm2_tokenizer_dir, tmp_path, smolvlm=True)
-    assert_gate(gate_report, _llm(str(tmp_path)), model, processor, _cases()[::2], MAX_TOKENS,
-                "SmolVLMForConditionalGeneration", "the Idefics3 tiny config as SmolVLM (its own classes)")
+    model, processor = vlm.make_tiny_idefics3(smollm2_tokenizer_dir, tmp_path, smolvlm=True)
+    vlm.assert_gate(gate_report, _llm(str(tmp_path)), model, processor, _cases()[::2], MAX_TOKENS,
+                    "SmolVLMForConditionalGeneration", "the Idefics3 tiny config as SmolVLM (its own classes)")
 
 
 def test_batched_and_chunked_across_tiles(idefics3):
-    prompts = [mm_prompt(text, images) for text, images in _cases()] + [{"prompt": "Plain text too."}]
-    agree_batched_and_chunked(lambda **kw: _llm(idefics3[0], **kw), prompts,
-                              {"max_num_batched_tokens": 37, "max_num_encoder_input_tokens": 200},
-                              "chunks of 37 across tile runs, one image encoded per step")
+    prompts = [vlm.mm_prompt(text, images) for text, images in _cases()] + [{"prompt": "Plain text too."}]
+    vlm.agree_batched_and_chunked(lambda **kw: _llm(idefics3[0], **kw), prompts,
+                                  {"max_num_batched_tokens": 37, "max_num_encoder_input_tokens": 200},
+                                  "chunks of 37 across tile runs, one image encoded per step")
 
 
 def test_chat_expands_each_image_by_its_grid(idefics3):
@@ -81,7 +70,7 @@ def test_chat_expands_each_image_by_its_grid(idefics3):
     from vllmpy import SamplingParams
 
     path, _, processor = idefics3
-    image = sample_image(64, 48, 2)
+    image = vlm.sample_image(64, 48, 2)
     content = [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "What is it?"}]
     ours = _llm(path).chat([{"role": "user", "content": content}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
     rendered = processor.tokenizer.apply_chat_template([{"role": "user", "content": "<image>\nWhat is it?"}],

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests import vlm_models as vlm
 from tests.models.test_batch_invariance import _agree
-from tests.vlm_models import gate_vlm, make_tiny_llava, mm_prompt, sample_image
 
 MAX_TOKENS = 32
 CASES = [("<image>Describe this picture.", [(40, 24, 0)]), ("What is in <image>? Answer:", [(20, 36, 1)]),
@@ -18,35 +18,27 @@ DESCRIPTIONS = {"clip": "CLIP 3 layers read at -2, class token dropped, 16 token
 
 
 def _cases():
-    return [(text, [sample_image(*size) for size in sizes]) for text, sizes in CASES]
+    return vlm.with_images(CASES)
 
 
 @pytest.fixture(scope="module", params=["clip", "siglip"])
 def llava(request, smollm2_tokenizer_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"tiny_llava_{request.param}")
-    model, processor = make_tiny_llava(smollm2_tokenizer_dir, out, request.param)
-    return request.param, str(out), model, processor
-
-
-def _llm(path, **kwargs):
-    from vllmpy import LLM
-    return LLM(model=path, dtype="float32", **{"num_blocks": 64, "block_size": 16, **kwargs})
+    return request.param, *vlm.build_tiny_vlm(vlm.make_tiny_llava, smollm2_tokenizer_dir, tmp_path_factory,
+                                              f"tiny_llava_{request.param}", request.param)
 
 
 def test_processor_matches_transformers(llava):
     _, path, _, processor = llava
-    llm = _llm(path)
+    llm = vlm.fp32_llm(path)
     for text, images in _cases():
-        ref = processor(text=[text], images=[images], return_tensors="np")
-        _, token_ids, features = llm.engine.core.mm_processor.process(mm_prompt(text, images))
-        assert token_ids == ref["input_ids"][0].tolist(), text
+        ref, features = vlm.process_like_transformers(llm, processor, text, images)
         assert np.array_equal(np.stack([f.pixel_values for f in features]), ref["pixel_values"]), text
 
 
 def test_greedy_matches_transformers(llava, gate_report):
     tower, path, model, processor = llava
     label = f"LlavaForConditionalGeneration/{tower}"
-    result = gate_vlm(_llm(path), model, processor, _cases(), MAX_TOKENS, label)
+    result = vlm.gate_vlm(vlm.fp32_llm(path), model, processor, _cases(), MAX_TOKENS, label)
     gate_report(label, result, DESCRIPTIONS[tower], len(CASES))
     assert not result.failures, "\n".join(result.failures)
     assert result.strict + result.near_tie == len(CASES)
@@ -57,12 +49,12 @@ def test_split_spans_and_one_image_per_step(llava):
 
     _, path, _, _ = llava
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-    prompts = [mm_prompt(text, images) for text, images in _cases()]
+    prompts = [vlm.mm_prompt(text, images) for text, images in _cases()]
 
     def run(llm, batch):
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(batch, params, use_tqdm=False)]
 
-    alone_llm = _llm(path, enable_prefix_caching=False)
+    alone_llm = vlm.fp32_llm(path, enable_prefix_caching=False)
     alone = [run(alone_llm, [prompt])[0] for prompt in prompts]
-    _agree(alone, run(_llm(path, max_num_batched_tokens=7), prompts), "chunks of 7 across image spans")
-    _agree(alone, run(_llm(path, max_num_encoder_input_tokens=16), prompts), "one image encoded per step")
+    _agree(alone, run(vlm.fp32_llm(path, max_num_batched_tokens=7), prompts), "chunks of 7 across image spans")
+    _agree(alone, run(vlm.fp32_llm(path, max_num_encoder_input_tokens=16), prompts), "one image encoded per step")

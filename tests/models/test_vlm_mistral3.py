@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.vlm_models import agree_batched_and_chunked, assert_gate, make_tiny_mistral3, mm_prompt, sample_image
+from tests import vlm_models as vlm
 
 MAX_TOKENS = 32
 CASES = [("[IMG]Describe this picture.", [(40, 24, 0)]), ("What is in [IMG]? Answer:", [(100, 60, 1)]),
@@ -17,28 +17,19 @@ GRIDS = [[(3, 5)], [(5, 8)], [(6, 8), (4, 3)]]  # (rows, cols) of merged patches
 
 
 def _cases():
-    return [(text, [sample_image(*size) for size in sizes]) for text, sizes in CASES]
+    return vlm.with_images(CASES)
 
 
 @pytest.fixture(scope="module")
 def mistral3(smollm2_tokenizer_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_mistral3")
-    model, processor = make_tiny_mistral3(smollm2_tokenizer_dir, out)
-    return str(out), model, processor
-
-
-def _llm(path, **kwargs):
-    from vllmpy import LLM
-    return LLM(model=path, dtype="float32", **{"num_blocks": 64, "block_size": 16, **kwargs})
+    return vlm.build_tiny_vlm(vlm.make_tiny_mistral3, smollm2_tokenizer_dir, tmp_path_factory, "tiny_mistral3")
 
 
 def test_processor_matches_transformers(mistral3):
     path, _, processor = mistral3
-    llm = _llm(path)
+    llm = vlm.fp32_llm(path)
     for (text, images), grids in zip(_cases(), GRIDS):
-        ref = processor(text=[text], images=[images], return_tensors="np")
-        _, token_ids, features = llm.engine.core.mm_processor.process(mm_prompt(text, images))
-        assert token_ids == ref["input_ids"][0].tolist(), text
+        ref, features = vlm.process_like_transformers(llm, processor, text, images)
         for feature, (height, width), padded, (rows, cols) in zip(features, ref["image_sizes"], ref["pixel_values"],
                                                                   grids):
             assert feature.pixel_values.shape == (3, rows * 8, cols * 8) == (3, height, width)
@@ -49,13 +40,14 @@ def test_processor_matches_transformers(mistral3):
 
 def test_greedy_matches_transformers(mistral3, gate_report):
     path, model, processor = mistral3
-    assert_gate(gate_report, _llm(path), model, processor, _cases(), MAX_TOKENS, "Mistral3ForConditionalGeneration",
-                "Pixtral 2 layers (2-D rotary) on 4x4 patches, 2x2 patch merger, images at their own size up to "
-                "64 px, Mistral LM")
+    vlm.assert_gate(gate_report, vlm.fp32_llm(path), model, processor, _cases(), MAX_TOKENS,
+                    "Mistral3ForConditionalGeneration",
+                    "Pixtral 2 layers (2-D rotary) on 4x4 patches, 2x2 patch merger, images at their own size up to "
+                    "64 px, Mistral LM")
 
 
 def test_batched_and_chunked_across_rows(mistral3):
-    prompts = [mm_prompt(text, images) for text, images in _cases()] + [{"prompt": "Plain text too."}]
-    agree_batched_and_chunked(lambda **kw: _llm(mistral3[0], **kw), prompts,
-                              {"max_num_batched_tokens": 9, "max_num_encoder_input_tokens": 60},
-                              "chunks of 9 across image rows, one image encoded per step")
+    prompts = [vlm.mm_prompt(text, images) for text, images in _cases()] + [{"prompt": "Plain text too."}]
+    vlm.agree_batched_and_chunked(lambda **kw: vlm.fp32_llm(mistral3[0], **kw), prompts,
+                                  {"max_num_batched_tokens": 9, "max_num_encoder_input_tokens": 60},
+                                  "chunks of 9 across image rows, one image encoded per step")

@@ -9,15 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests import vlm_models as vlm
 from tests.gate import GateResult, compare, reference_greedy
-from tests.vlm_models import (
-    QWEN_VL_FAMILIES,
-    agree_batched_and_chunked,
-    assert_gate,
-    make_tiny_qwen_vl,
-    mm_prompt,
-    sample_image,
-)
 from vllmpy.multimodal.qwen_vl_processor import merge_block_order
 
 MAX_TOKENS = 32
@@ -28,19 +21,13 @@ GRIDS = [[(6, 10)], [(12, 20)], [(12, 16), (8, 4)]]  # (rows, cols) of patches; 
 
 
 def _cases():
-    return [(text, [sample_image(*size) for size in sizes]) for text, sizes in CASES]
+    return vlm.with_images(CASES)
 
 
-@pytest.fixture(scope="module", params=QWEN_VL_FAMILIES)
+@pytest.fixture(scope="module", params=vlm.QWEN_VL_FAMILIES)
 def qwen_vl(request, smollm2_tokenizer_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"tiny_{request.param.lower()}")
-    model, processor = make_tiny_qwen_vl(smollm2_tokenizer_dir, out, request.param)
-    return str(out), model, processor
-
-
-def _llm(path, **kwargs):
-    from vllmpy import LLM
-    return LLM(model=path, dtype="float32", **{"num_blocks": 64, "block_size": 16, **kwargs})
+    return vlm.build_tiny_vlm(vlm.make_tiny_qwen_vl, smollm2_tokenizer_dir, tmp_path_factory,
+                              f"tiny_{request.param.lower()}", request.param)
 
 
 def _params(max_tokens: int = 12):
@@ -54,11 +41,9 @@ def test_processor_matches_transformers(qwen_vl):
     path, _, processor = qwen_vl
     # the oracle is the image processor transformers builds from the checkpoint's own files
     assert type(AutoImageProcessor.from_pretrained(path)) is type(processor.image_processor)
-    llm = _llm(path)
+    llm = vlm.fp32_llm(path)
     for (text, images), grids in zip(_cases(), GRIDS):
-        ref = processor(text=[text], images=[images], return_tensors="np")
-        _, token_ids, features = llm.engine.core.mm_processor.process(mm_prompt(text, images))
-        assert token_ids == ref["input_ids"][0].tolist(), text
+        ref, features = vlm.process_like_transformers(llm, processor, text, images)
         assert [f.pixel_values.shape[:3] for f in features] == [(1, r, c) for r, c in grids]
         assert ref["image_grid_thw"].tolist() == [[1, r, c] for r, c in grids]
         pixels = np.concatenate([merge_block_order(f.pixel_values, 2) for f in features])
@@ -70,11 +55,11 @@ def test_processor_matches_transformers(qwen_vl):
 def test_mrope_positions_match_get_rope_index(qwen_vl):
     """Prompt positions equal transformers' 3-D rope index; generated positions continue at p + delta."""
     path, model, processor = qwen_vl
-    llm = _llm(path)
+    llm = vlm.fp32_llm(path)
     text, images = _cases()[2]
     ref = processor(text=[text], images=[images], return_tensors="pt")
     expected, delta = model.model.get_rope_index(ref["input_ids"], ref["mm_token_type_ids"], ref["image_grid_thw"])
-    _, token_ids, features = llm.engine.core.mm_processor.process(mm_prompt(text, images))
+    _, token_ids, features = llm.engine.core.mm_processor.process(vlm.mm_prompt(text, images))
     ours = llm.engine.core.model.mrope_positions(features, 0, len(token_ids) + 3)
     assert np.array_equal(ours[:, :len(token_ids)], expected[:, 0].numpy())
     generated = np.arange(len(token_ids), len(token_ids) + 3) + int(delta)
@@ -93,14 +78,15 @@ GATED_ON = {
 def test_greedy_matches_transformers(qwen_vl, gate_report):
     path, model, processor = qwen_vl
     label = type(model).__name__
-    assert_gate(gate_report, _llm(path), model, processor, _cases(), MAX_TOKENS, label, GATED_ON[label])
+    vlm.assert_gate(gate_report, vlm.fp32_llm(path), model, processor, _cases(), MAX_TOKENS, label, GATED_ON[label])
 
 
 def test_text_only_prompts_match_transformers(qwen_vl):
     path, model, _ = qwen_vl
     result = GateResult()
-    for output in _llm(path).generate(["The capital of France is", "def fibonacci(n):"], _params(MAX_TOKENS),
-                                      use_tqdm=False):
+    llm = vlm.fp32_llm(path)
+    for output in llm.generate(["The capital of France is", "def fibonacci(n):"], _params(MAX_TOKENS),
+                               use_tqdm=False):
         ref_tokens, ref_logits = reference_greedy(model, output.prompt_token_ids, MAX_TOKENS)
         completion = output.outputs[0]
         logprobs = [pos[t].logprob for pos, t in zip(completion.logprobs, completion.token_ids)]
@@ -113,20 +99,21 @@ def test_batch_invariance_with_images(qwen_vl):
     """Alone / batched / chunked across image spans with one image encoded per step / prefix-cached with
     the same image give the same tokens; a different image of the same size does not hit its blocks."""
     path = qwen_vl[0]
-    prompts = [mm_prompt(text, images) for text, images in _cases()] + [{"prompt": "Plain text too."}]
-    agree_batched_and_chunked(lambda **kw: _llm(path, **kw), prompts,
-                              {"max_num_batched_tokens": 9, "max_num_encoder_input_tokens": 60},
-                              "chunks of 9 across image spans, one image encoded per step")
+    prompts = [vlm.mm_prompt(text, images) for text, images in _cases()] + [{"prompt": "Plain text too."}]
+    vlm.agree_batched_and_chunked(lambda **kw: vlm.fp32_llm(path, **kw), prompts,
+                                  {"max_num_batched_tokens": 9, "max_num_encoder_input_tokens": 60},
+                                  "chunks of 9 across image spans, one image encoded per step")
     from tests.models.test_batch_invariance import _agree
 
-    cached_llm = _llm(path, block_size=8, num_blocks=128)
+    cached_llm = vlm.fp32_llm(path, block_size=8, num_blocks=128)
     first = cached_llm.generate(prompts[:1], _params(), use_tqdm=False)[0]
     again = cached_llm.generate(prompts[:1], _params(), use_tqdm=False)[0]
     span = cached_llm.engine.core.mm_processor.process(prompts[0])[2][0]
     assert first.num_cached_tokens == 0 and again.num_cached_tokens >= span.end
     pair = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in (first, again)]
     _agree(pair[:1], pair[1:], "prefix-cached")
-    other = cached_llm.generate([mm_prompt(CASES[0][0], [sample_image(40, 24, 99)])], _params(), use_tqdm=False)[0]
+    other = cached_llm.generate([vlm.mm_prompt(CASES[0][0], [vlm.sample_image(40, 24, 99)])], _params(),
+                                use_tqdm=False)[0]
     assert other.num_cached_tokens <= span.offset // 8 * 8, "a different image hit the first image's blocks"
 
 
@@ -134,8 +121,8 @@ def test_chat_prompt_matches_transformers(qwen_vl):
     """LLM.chat with an image part renders as the processor's chat template does, then expands alike; a
     template that takes string content gets vLLM's `<|vision_start|><|image_pad|><|vision_end|>` per image."""
     path, _, processor = qwen_vl
-    llm = _llm(path)
-    image = sample_image(40, 24, 0)
+    llm = vlm.fp32_llm(path)
+    image = vlm.sample_image(40, 24, 0)
     text = [{"type": "text", "text": "Describe"}, {"type": "text", "text": " it."}]
     messages = [{"role": "user", "content": [text[0], {"type": "image_pil", "image_pil": image}, text[1]]}]
     ours = llm.chat(messages, _params(1), use_tqdm=False)[0]

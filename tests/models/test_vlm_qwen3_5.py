@@ -10,15 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests import vlm_models as vlm
 from tests.models import test_vlm_qwen as qwen_vl_gate
-from tests.vlm_models import (
-    QWEN3_5_FAMILIES,
-    agree_batched_and_chunked,
-    assert_gate,
-    make_tiny_qwen_vl,
-    mm_prompt,
-    sample_image,
-)
 
 GATED_ON = {
     "Qwen3_5ForConditionalGeneration": "Qwen3-VL tower without DeepStack (2 blocks, hidden 32, 8x8 learned "
@@ -29,11 +22,10 @@ GATED_ON = {
 }
 
 
-@pytest.fixture(scope="module", params=QWEN3_5_FAMILIES)
+@pytest.fixture(scope="module", params=vlm.QWEN3_5_FAMILIES)
 def qwen3_5(request, smollm2_tokenizer_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"tiny_{request.param.lower()}")
-    model, processor = make_tiny_qwen_vl(smollm2_tokenizer_dir, out, request.param)
-    return str(out), model, processor
+    return vlm.build_tiny_vlm(vlm.make_tiny_qwen_vl, smollm2_tokenizer_dir, tmp_path_factory,
+                              f"tiny_{request.param.lower()}", request.param)
 
 
 def test_processor_and_positions_match_transformers(qwen3_5):
@@ -44,8 +36,8 @@ def test_processor_and_positions_match_transformers(qwen3_5):
 def test_greedy_matches_transformers(qwen3_5, gate_report):
     path, model, processor = qwen3_5
     label = type(model).__name__
-    assert_gate(gate_report, qwen_vl_gate._llm(path), model, processor, qwen_vl_gate._cases(),
-                qwen_vl_gate.MAX_TOKENS, label, GATED_ON[label])
+    vlm.assert_gate(gate_report, vlm.fp32_llm(path), model, processor, qwen_vl_gate._cases(),
+                    qwen_vl_gate.MAX_TOKENS, label, GATED_ON[label])
 
 
 def test_text_only_prompts_match_transformers(qwen3_5):
@@ -65,18 +57,18 @@ def test_batch_invariance_with_images(qwen3_5):
     from tests.models.test_batch_invariance import _agree
 
     path = qwen3_5[0]
-    prompts = [mm_prompt(text, images) for text, images in qwen_vl_gate._cases()] + [{"prompt": "Plain text too."}]
-    agree_batched_and_chunked(lambda **kw: qwen_vl_gate._llm(path, **kw), prompts,
-                              {"max_num_batched_tokens": 9, "max_num_encoder_input_tokens": 60},
-                              "chunks of 9 across image spans, one image encoded per step")
-    llm = qwen_vl_gate._llm(path, block_size=8, num_blocks=128, max_num_seqs=4, recurrent_snapshot_fraction=0.5)
-    prompt = mm_prompt(LONG_PROMPT, [sample_image(100, 60, 1)])
+    prompts = [vlm.mm_prompt(text, images) for text, images in qwen_vl_gate._cases()] + [{"prompt": "Plain text too."}]
+    vlm.agree_batched_and_chunked(lambda **kw: vlm.fp32_llm(path, **kw), prompts,
+                                  {"max_num_batched_tokens": 9, "max_num_encoder_input_tokens": 60},
+                                  "chunks of 9 across image spans, one image encoded per step")
+    llm = vlm.fp32_llm(path, block_size=8, num_blocks=128, max_num_seqs=4, recurrent_snapshot_fraction=0.5)
+    prompt = vlm.mm_prompt(LONG_PROMPT, [vlm.sample_image(100, 60, 1)])
     first, again = (llm.generate([prompt], qwen_vl_gate._params(), use_tqdm=False)[0] for _ in range(2))
     span = llm.engine.core.mm_processor.process(prompt)[2][0]
     assert span.end <= 64 < 128 < len(first.prompt_token_ids)
     assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 128)
     _agree([(first.outputs[0].token_ids, first.outputs[0].logprobs)],
            [(again.outputs[0].token_ids, again.outputs[0].logprobs)], "prefix-cached")
-    other = llm.generate([mm_prompt(LONG_PROMPT, [sample_image(100, 60, 99)])], qwen_vl_gate._params(),
+    other = llm.generate([vlm.mm_prompt(LONG_PROMPT, [vlm.sample_image(100, 60, 99)])], qwen_vl_gate._params(),
                          use_tqdm=False)[0]
     assert other.num_cached_tokens == 0, "a different image hit the first image's snapshot"

@@ -74,3 +74,39 @@ def test_scaling_table():
     assert row(document, "vllmpy", "### (g)")[2:] == ["10.0", "30.0", "64.0", "90.0", "6.40x"]
     assert row(document, "vllm bf16", "### (g)")[2:] == ["8.00", "", "40.0", "", "5.00x"]
     assert row(document, "llama.cpp", "### (g)")[2] == "not measured"
+
+
+def spec_run() -> dict:
+    """The saved run with speculation rows: (d) with `vllmpy ngram` beside plain vllmpy (its `x spec-off` and
+    acceptance), (e) with llama-server's --spec-type engine, whose acceptance has no drafting-step count."""
+    run = copy.deepcopy(old_run())
+    d = run["workloads"]["d"]
+    d["runs"]["vllmpy ngram"] = [95.0, 99.0]
+    d["runs"]["vllmpy"] = [100.0, 100.0]
+    for engine, extra in d["extra"].items():
+        extra["x spec-off"] = [1.0] * 2 if engine == "vllmpy" else [0.9] * 2
+    d["extra"]["vllmpy ngram"] = {**{k: v[:2] for k, v in d["extra"]["vllmpy"].items()}, "x spec-off": [0.95, 0.99]}
+    d["acceptance"] = {"vllmpy ngram": [{"acceptance_rate": 0.5, "mean_acceptance_length": 2.0, "drafts": 4},
+                                        {"acceptance_rate": None, "mean_acceptance_length": None, "drafts": 0}]}
+    e = {"title": "(e) Code edit", "metric": "decode tok/s", "how": "h", "command": "c", "skipped": {},
+         "runs": {"vllmpy": [40.0], "vllmpy ngram": [120.0], "llama-server ngram-mod": [80.0]},
+         "extra": {name: {"x spec-off": [rate / 40.0]} for name, rate in
+                   (("vllmpy", 40.0), ("vllmpy ngram", 120.0), ("llama-server ngram-mod", 80.0))},
+         "acceptance": {"vllmpy ngram": [{"acceptance_rate": 0.9, "mean_acceptance_length": 6.0, "drafts": 80}],
+                        "llama-server ngram-mod": [{"acceptance_rate": 0.75, "mean_acceptance_length": None,
+                                                    "drafts": 0, "draft_tokens": 400}]}}
+    run["workloads"] = {"d": d, "e": e}
+    return run
+
+
+def test_speculation_rows_in_serving_and_code_edit():
+    document = markdown.document(spec_run())
+    header = row(document, "engine", "### (d)")
+    assert header[-2:] == ["x spec-off", "draft acceptance (median)"]
+    ngram = row(document, "vllmpy ngram", "### (d)")
+    assert ngram[2] == "97.0" and ngram[5] == "1.03x"  # median 97 against plain vllmpy's 100
+    assert ngram[-2:] == ["0.97", "0.50"]  # runs without drafts do not count
+    assert row(document, "vllmpy", "### (d)")[-1] == ""
+    assert row(document, "llama-server ngram-mod", "### (e)")[-2:] == ["2.00", "0.75"]
+    assert row(document, "vllmpy ngram", "### (e)")[5] == "0.33x"
+    assert "acceptance" not in markdown.document(old_run())

@@ -14,6 +14,7 @@ from vllmpy.sampling import (
     compute_logprobs,
     prompt_logprobs_for_chunk,
 )
+from vllmpy.sampling import sampler as sampler_module
 from vllmpy.sampling.penalties import apply_penalties
 from vllmpy.sampling_params import SamplingParams
 
@@ -106,7 +107,7 @@ def test_top_k_one_equals_greedy() -> None:
     assert torch.equal(out.sampled, logits.argmax(dim=-1))
 
 
-@pytest.mark.parametrize("top_p", [1e-6, 1e-9])  # 1 - 1e-9 rounds to 1.0 in float32: the top token must survive
+@pytest.mark.parametrize("top_p", [1e-6, 1e-9, 5e-324])  # 1 - 1e-9 rounds to 1.0 and 5e-324 to 0 in float32: the top token must survive
 def test_tiny_top_p_equals_greedy(top_p: float) -> None:
     logits = torch.randn(32, 200)
     out = sample(logits, [row(temperature=1.5, top_p=top_p) for _ in range(32)])
@@ -135,6 +136,58 @@ def test_min_p_filters_low_probability_tokens() -> None:
     assert set(out.sampled.tolist()) == {0, 1, 2}
     unfiltered = sample(probs.log().repeat(n, 1), [row() for _ in range(n)])
     assert 3 in set(unfiltered.sampled.tolist())  # the crafted distribution would emit token 3
+
+
+def _reference_filters(logits: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the kept set, each token's mass ranked above it) by one full descending sort: the definition the topk
+    paths must match."""
+    order = logits.argsort(descending=True)
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep[order[:top_k]] = True
+    probs = logits.masked_fill(~keep, float("-inf")).softmax(-1)[order]
+    above = torch.empty_like(probs)
+    above[order] = probs.cumsum(-1) - probs
+    if top_p < 1.0:  # 1.0 is off (a cumulative sum rounding up to 1 must not cut)
+        keep &= above < top_p
+    return keep, above
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.01])  # peaked rows cut among 256 candidates; flat rows go further
+def test_top_k_top_p_match_a_full_sort(scale: float) -> None:
+    vocab = 20_000
+    logits = torch.randn(5, vocab) * scale
+    settings = [(50, 1.0), (vocab, 0.9), (300, 0.8), (vocab, 1.0), (vocab, 0.3)]
+    rows = [row(top_k=k if k < vocab else 0, top_p=p) for k, p in settings]
+    meta = SamplingMetadata.build(rows, vocab, CPU)
+    kept = sampler_module.random_probs(logits, meta.random) > 0
+    for i, (k, p) in enumerate(settings):
+        expected, above = _reference_filters(logits[i], k, p)
+        differ = kept[i] != expected  # only where float sums in another order land on the other side of p
+        assert int(differ.sum()) <= 2 and bool(((above[differ] - p).abs() < 1e-5).all()), settings[i]
+    assert int(kept[4].sum()) > (256 if scale < 1 else 0)  # the flat case really passes the first candidates
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_categorical_frequencies_and_zero_weights(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unnormalised weights on a long row, at the C kernel's 64-entry chunk edges: zero weights never come
+    out, the rest at their share (kernel=False: the exponential race every other device takes)."""
+    if not kernel:
+        monkeypatch.setattr(sampler_module, "layer_kernels", lambda: None)
+    vocab, n = 4_099, 20_000
+    picks = torch.tensor([0, 63, 64, 2_000, vocab - 1])
+    weights = torch.zeros(n, vocab)
+    weights[:, picks] = torch.tensor([3.0, 0.5, 1.0, 2.0, 1.5])
+    out = sampler_module.categorical(weights, {})
+    assert set(out.tolist()) <= set(picks.tolist())
+    observed = counts_of(torch.searchsorted(picks, out), 5)
+    assert chi_square(observed, weights[0, picks] / weights[0, picks].sum()) < CHI2_BOUND
+
+
+def test_categorical_seeded_rows_repeat_and_empty_rows_return_zero() -> None:
+    weights = torch.rand(3, 1000)
+    weights[2] = 0.0
+    draws = [sampler_module.categorical(weights, {0: torch.Generator().manual_seed(5)}) for _ in range(2)]
+    assert int(draws[0][0]) == int(draws[1][0]) and int(draws[0][2]) == 0
 
 
 # ---------------------------------------------------------------- seeds

@@ -82,6 +82,9 @@ class PagedKVCache:
     def _write_one(self, which: int, x: torch.Tensor, scale: float, slots: torch.Tensor) -> torch.Tensor:
         heads, dim = self.data.shape[-2:]
         flat = self.data[which].view(-1, heads, dim)
+        if self.data.dtype == x.dtype:  # the model's dtype, checked first: 36 writes a step at decode
+            flat.index_copy_(0, slots, x)
+            return x
         if self.dtype == torch.int8:
             codes, scales = quantize_int8(x)
             flat.index_copy_(0, slots, codes)
@@ -91,8 +94,9 @@ class PagedKVCache:
             codes = quantize_fp8(x, scale, self.dtype)
             flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
             return codes.to(x.dtype) * scale
-        flat.index_copy_(0, slots, x.to(self.dtype))
-        return x if self.dtype == x.dtype else x.to(self.dtype).to(x.dtype)
+        stored = x.to(self.dtype)
+        flat.index_copy_(0, slots, stored)
+        return stored.to(x.dtype)
 
     def gather(self, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the listed blocks, [*blocks.shape, block_size, kv_heads, head_dim] in `dtype`:

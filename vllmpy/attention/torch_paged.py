@@ -170,6 +170,11 @@ def _decode_kernel(q: torch.Tensor, kv_cache: PagedKVCache) -> ctypes.CDLL | Non
     return attention_kernels()
 
 
+def _float32_heads(t: torch.Tensor) -> bool:
+    """Float32 [tokens, heads, dim] with each token's heads contiguous: what the kernel reads in place."""
+    return t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
 def _kernel_decode(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: PagedKVCache, batch: DecodeBatch,
                    spec: AttentionSpec, out: torch.Tensor, tokens: torch.Tensor) -> None:
     """The C kernel's decode attention: q rows `tokens` (one per decode token of batch) read, the same
@@ -179,7 +184,7 @@ def _kernel_decode(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: PagedKVCache, ba
     the decode rows are gathered to float32 and the result cast back, so prefill tokens in the same
     step cost nothing here.
     """
-    in_place = all(t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, out))
+    in_place = _float32_heads(q) and _float32_heads(out)
     q32 = q if in_place else q[tokens].float()
     out32 = out if in_place else torch.empty(q32.shape, dtype=torch.float32)
     rows = tokens if in_place else batch.rows

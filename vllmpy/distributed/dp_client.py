@@ -32,6 +32,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 
 from vllmpy.config import EngineConfig
+from vllmpy.distributed.dp_deltas import OutputDecoder
 from vllmpy.distributed.dp_engine import (
     EngineFacts,
     LoRACall,
@@ -78,6 +79,7 @@ class _EngineProcess:
         self.facts: EngineFacts | None = None
         self.stats: EngineStats | None = None
         self.death: str | None = None
+        self.decoder = OutputDecoder()  # rebuilds its cumulative outputs from the deltas it sends
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
 
     @property
@@ -192,6 +194,7 @@ class DPAsyncLLM(AsyncLLM):
         if isinstance(command, AbortCommand):
             index = self._router.release(command.request_id)
             if index is not None:
+                self._engines[index].decoder.forget(command.request_id)
                 self._engines[index].send(command)
             return
         lora = command.lora_request
@@ -201,6 +204,7 @@ class DPAsyncLLM(AsyncLLM):
         except LookupError as exc:
             self._publish(command.request_id, EngineDeadError(str(exc)))
             return
+        self._engines[index].decoder.expect(command.request_id)
         self._engines[index].send(command)
 
     def _call_all(self, method: str, argument: Any) -> list[Any]:
@@ -234,9 +238,11 @@ class DPAsyncLLM(AsyncLLM):
                 for output in message.outputs:
                     if output.finished:
                         self._router.release(output.request_id)
-                self._publish_step(message.outputs)
+                self._publish_step([output for delta in message.outputs
+                                    if (output := engine.decoder.decode(delta)) is not None])
             elif isinstance(message, Refusal):
                 self._router.release(message.request_id)
+                engine.decoder.forget(message.request_id)
                 self._publish(message.request_id,
                               (ValueError if message.client_error else RuntimeError)(message.message))
             elif isinstance(message, LoRAReply):
@@ -254,6 +260,7 @@ class DPAsyncLLM(AsyncLLM):
             engine.death = cause
             orphaned = [call for call in self._calls.values() if call.engine == engine.index]
         lost = self._router.mark_dead(engine.index)
+        engine.decoder.clear()
         logger.error("%s; failing its %d in-flight requests, serving on the other engines", cause, len(lost))
         for request_id in lost:
             self._publish(request_id, EngineProcessDiedError(f"{cause} while serving request {request_id}"))

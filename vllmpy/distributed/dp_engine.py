@@ -3,9 +3,10 @@ are detokenized here), driven over a multiprocessing Pipe by the server's DPAsyn
 
 Everything on the pipe is plain data: the frontend sends AddCommand / AbortCommand (async_llm's), a
 LoRACall, or None to stop; the engine answers Ready (or StartFailed) once, then Outputs after every
-step and after commands that changed its state while it was idle, a Refusal for a request it would
-not queue, and a LoRAReply. A failure no request can be blamed for ends the process: the frontend sees
-the pipe close and fails only this engine's requests.
+step (each request's part new since its last output, dp_deltas.py) and after commands that changed its
+state while it was idle, a Refusal for a request it would not queue, and a LoRAReply. A failure no
+request can be blamed for ends the process: the frontend sees the pipe close and fails only this engine's
+requests.
 """
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from typing import Any
 
 from vllmpy.config import EngineConfig
 from vllmpy.distributed.cpu_binding import bind_rank
+from vllmpy.distributed.dp_deltas import OutputDelta, OutputEncoder
 from vllmpy.engine.async_llm import AbortCommand, AddCommand
 from vllmpy.engine.llm_engine import EngineStats, LLMEngine
-from vllmpy.outputs import EmbeddingRequestOutput, RequestOutput
+from vllmpy.outputs import EmbeddingRequestOutput
 from vllmpy.sampling_params import SamplingParams
 
 logger = logging.getLogger("vllmpy")
@@ -61,7 +63,7 @@ class StartFailed:
 class Outputs:
     """A step's outputs (none: commands changed an idle engine's state), and the stats after it."""
 
-    outputs: list[RequestOutput | EmbeddingRequestOutput]
+    outputs: list[OutputDelta | EmbeddingRequestOutput]
     stats: EngineStats
 
 
@@ -119,6 +121,7 @@ def _facts(engine: LLMEngine) -> EngineFacts:
 
 
 def _serve(engine: LLMEngine, conn: Connection) -> None:
+    encoder = OutputEncoder()
     while True:
         busy = engine.has_unfinished_requests()
         changed = False
@@ -127,18 +130,19 @@ def _serve(engine: LLMEngine, conn: Connection) -> None:
                 message = conn.recv()
                 if message is None:
                     return
-                reply = _handle(engine, message)
+                reply = _handle(engine, encoder, message)
                 if reply is not None:
                     conn.send(reply)
                 changed = True
         if engine.has_unfinished_requests():
             outputs = engine.step()
-            conn.send(Outputs(outputs, engine.stats()))
+            conn.send(Outputs([encoder.encode(output) for output in outputs], engine.stats()))
         elif changed:
             conn.send(Outputs([], engine.stats()))
 
 
-def _handle(engine: LLMEngine, message: AddCommand | AbortCommand | LoRACall) -> Refusal | LoRAReply | None:
+def _handle(engine: LLMEngine, encoder: OutputEncoder, message: AddCommand | AbortCommand | LoRACall
+            ) -> Refusal | LoRAReply | None:
     if isinstance(message, LoRACall):
         try:
             return LoRAReply(message.call_id, getattr(engine, message.method)(message.argument), None)
@@ -146,6 +150,7 @@ def _handle(engine: LLMEngine, message: AddCommand | AbortCommand | LoRACall) ->
             return LoRAReply(message.call_id, None, str(exc))
     if isinstance(message, AbortCommand):
         engine.abort_request([message.request_id])
+        encoder.forget(message.request_id)
         return None
     try:
         engine.add_request(message.request_id, message.prompt, message.params, priority=message.priority,

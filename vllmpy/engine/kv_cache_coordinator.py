@@ -64,6 +64,14 @@ class KVCacheCoordinator:
         return 0 if self.snapshots is None else self.snapshots.num_cached * self._state_bytes
 
     @property
+    def snapshots_taken(self) -> int:
+        return 0 if self.snapshots is None else self.snapshots.taken
+
+    @property
+    def snapshot_slots(self) -> int:
+        return 0 if self.snapshots is None else self.snapshots.num_slots
+
+    @property
     def usage(self) -> float:
         if not self.managers and self.seats is not None:  # recurrent layers only: the seats are the pool
             return 1.0 - self.seats.num_free / self.seats.num_seats

@@ -45,6 +45,8 @@ class EngineStats:
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
     recurrent_snapshot_hits: int = 0  # prefix hits resumed from a recurrent-state snapshot (hybrid models)
     recurrent_snapshot_bytes: int = 0  # recurrent state the published snapshots hold
+    recurrent_snapshots_taken: int = 0  # snapshots published since start
+    recurrent_snapshot_slots: int = 0  # 0: no snapshot pool (no recurrent layers, or prefix caching off)
 
 
 class LLMEngine:
@@ -170,7 +172,8 @@ class LLMEngine:
         return EngineStats(**{k: s[k] for k in ("num_running", "num_waiting", "kv_cache_usage",
                                                  "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
                                                  "running_lora_adapters", "waiting_lora_adapters",
-                                                 "recurrent_snapshot_hits", "recurrent_snapshot_bytes")},
+                                                 "recurrent_snapshot_hits", "recurrent_snapshot_bytes",
+                                                 "recurrent_snapshots_taken", "recurrent_snapshot_slots")},
                            max_loras=self.config.lora.max_loras if self.core.lora is not None else 0,
                            prompt_tokens_total=self.prompt_tokens_total,
                            generation_tokens_total=self.generation_tokens_total,

@@ -48,6 +48,7 @@ class SnapshotPool:
         self._by_slot: dict[int, _Snapshot] = {}  # published slots
         self._pending: dict[str, list[_Snapshot]] = {}  # reserved, being written by the request's step
         self.hits = 0  # admissions resumed from a snapshot
+        self.taken = 0  # snapshots written and published since start (a released reservation is not one)
 
     @property
     def num_cached(self) -> int:
@@ -102,6 +103,7 @@ class SnapshotPool:
         for snapshot in done:
             self._cached[snapshot.block_hash] = self._by_slot[snapshot.slot] = snapshot
             self._lru[snapshot.slot] = None
+        self.taken += len(done)
 
     def release(self, req_id: str) -> None:
         """The request left before its reserved snapshots were computed: their slots are free again."""

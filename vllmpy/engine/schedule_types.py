@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vllmpy.engine.request import RequestKind
 from vllmpy.lora.request import LoRARequest
 from vllmpy.multimodal.inputs import ImageFeature
 from vllmpy.pooling_params import PoolingParams
 from vllmpy.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -40,6 +44,9 @@ class ScheduledChunk:
     # The last num_draft_tokens of token_ids are speculative drafts to verify (never before the last known
     # token); the runner then returns 1..num_draft_tokens + 1 tokens for this chunk.
     num_draft_tokens: int = 0
+    # [num_draft_tokens, vocab]: the distribution q each draft was sampled from (draft_sample_method
+    # probabilistic); None: the drafts are one-hot (lookups, argmaxes).
+    draft_probs: torch.Tensor | None = None
     encoder_inputs: list[int] = field(default_factory=list)  # its images (mm_features indices) to encode now
     # Recurrent layers with prefix caching (engine/recurrent_snapshots.py): the snapshot slot a prefix hit's
     # seat is filled from before its first chunk, and (tokens into the chunk, slot) for every snapshot

@@ -39,6 +39,8 @@ class SchedulerStats:
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
     recurrent_snapshot_hits: int = 0  # admissions that resumed a recurrent state from a prefix snapshot
     recurrent_snapshot_bytes: int = 0  # recurrent state held by published snapshots
+    recurrent_snapshots_taken: int = 0  # snapshots published since start
+    recurrent_snapshot_slots: int = 0  # the snapshot pool's size; 0: no pool (no recurrent layers, or no caching)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -133,7 +135,8 @@ class Scheduler:
         preempted: set[str] = set()
         drafting = self.drafter is not None and self.drafter.enabled_for(len(self.running))
         if drafting:  # the step's running decodes at once: a draft model drafts for them in batched forwards
-            self.drafter.begin_step([DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens, room)
+            self.drafter.begin_step([DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens, room,
+                                                  r.sampling_params)
                                      for r in self.running if (room := self._draft_room(r)) > 0])
         if self.encoder is not None:
             self.encoder.begin_step()
@@ -277,7 +280,8 @@ class Scheduler:
             num_blocks=self.kv.num_blocks, prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
             running_lora_adapters=_count_adapters(self.running), waiting_lora_adapters=_count_adapters(self.waiting),
-            recurrent_snapshot_hits=self.kv.snapshot_hits, recurrent_snapshot_bytes=self.kv.snapshot_bytes)
+            recurrent_snapshot_hits=self.kv.snapshot_hits, recurrent_snapshot_bytes=self.kv.snapshot_bytes,
+            recurrent_snapshots_taken=self.kv.snapshots_taken, recurrent_snapshot_slots=self.kv.snapshot_slots)
 
     def _fit_images(self, request: Request, start: int, num_new: int) -> tuple[int, list[int]]:
         """The chunk shortened to what its images allow (multimodal/scheduling.py), and the images to encode."""
@@ -303,7 +307,8 @@ class Scheduler:
             req_id=request.request_id, token_ids=request.all_token_ids[start:start + num_new] + list(drafts),
             start_pos=start, new_block_ids=self.kv.new_block_ids(request.request_id),
             sample=start + num_new == request.num_tokens, num_draft_tokens=len(drafts), resume_snapshot=resume,
-            save_snapshots=snapshots)
+            save_snapshots=snapshots,
+            draft_probs=self.drafter.draft_probs(request.request_id, len(drafts)) if drafts else None)
 
     def _waiting_in_policy_order(self) -> list[Request]:
         policy = self.config.scheduling_policy

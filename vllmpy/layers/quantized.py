@@ -3,11 +3,15 @@
 A `PackedTensor` is a 2-D weight as the GGUF file stores it: each row a run of whole blocks. A
 few activation rows (decode) go through the C kernel, which reads every block once for the whole
 batch; 4 to 32 rows through the small-batch C kernel, which decodes each thread's weight rows once into
-int16 panels and multiplies them by x rounded to int16 (VNNI dot products); a batch of up to 128 rows goes
+int16 panels and multiplies them by x rounded to int16 (VNNI dot products; on CPUs with AMX-INT8, tile
+multiplies on x split exactly into bytes, bit-identical to the panels); a batch of up to 128 rows goes
 through the C tiled kernel (AVX-512), which decodes each thread's weight rows into cache and multiplies
 them there; more rows (prefill), or CPUs without that kernel, decode
 the weight into a scratch buffer (whole, or slab by slab when it is large) and hand it to the dense matmul
-(`dense_linear`), where the arithmetic dominates.
+(`dense_linear`), where the arithmetic dominates. The block types ggml_blocks.c has no vector decoder or
+panels for (fp8 F8S, the zero-point Q4Z / Q8Z / Q4ZF / Q8ZF, MXFP4) first try kernels/block_fma.c for the row
+counts it takes (`block_fma_rows`: up to 24 with AVX-512), which decodes each block into float registers once
+for up to 8 rows.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllmpy.kernels import block_kernels, block_layout
+from vllmpy.kernels import block_fma_kernels, block_fma_rows, block_kernels, block_layout
 from vllmpy.layers.dense import dense_linear
 from vllmpy.layers.recycle import result_buffer
 
@@ -28,7 +32,8 @@ from vllmpy.layers.recycle import result_buffer
 # the others from SMALL_MIN_ROWS on); above it, decode + dense matmul (default model,
 # 2 AVX-512 cores, median decode step: 39.7 vs 46.9 ms at 9 rows, 42.8 vs 44.1 at 10, 47.8 vs 45.2 at 11).
 KERNEL_MAX_ROWS = 10
-# From this many rows to SMALL_MAX_ROWS the small-batch kernel (int16 panels over weight rows) wins over both
+# From this many rows to SMALL_MAX_ROWS the small-batch kernel (int16 panels over weight rows; AMX tiles inside it
+# where the CPU has them, from 4 rows for Q8_0 and 9 for the others, ggml_blocks.c AMX_MIN_ROWS) wins over both
 # (benchmarks/kernels.py, default model's layer-0 weights, 1 thread, medians of 20 interleaved rounds, the
 # other kernel's time over its: Q5_0 1024 x 640 at 2 / 4 / 16 / 32 rows: integer row dots 0.96 / 1.45 / 3.20 /
 # 4.04x, tiled 2.71 / 2.46 / 1.39 / 1.26x; Q6_K 640 x 2048: row dots 0.82 / 1.19 / 2.78 / 3.93x, tiled 2.18 /
@@ -109,14 +114,21 @@ def packed_linear(x: torch.Tensor, weight: PackedTensor | Sequence[PackedTensor]
     kernel where built (AVX-512).
     Else slabs in float32, or in bfloat16 when x is (the user chose --dtype bfloat16: CPUs with
     AVX512-BF16 or AMX multiply it natively, ~4x faster)."""
-    segments = (weight,) if isinstance(weight, PackedTensor) else weight
-    if any(segment.input_perm is not None for segment in segments):
+    if isinstance(weight, PackedTensor):  # one weight (fused ones too): no generator per call (~1.5 us at decode)
+        segments, n, permuted = (weight,), weight.shape[0], weight.input_perm is not None
+    else:
+        segments, n = weight, sum(segment.shape[0] for segment in weight)
+        permuted = any(segment.input_perm is not None for segment in weight)
+    if permuted:
         return _permuted_linear(x, segments, bias)
     flat = x.dim() == 2  # the engine's [tokens, hidden]: no reshape, view or cast (~10 us a call at decode)
     x2 = x if flat else x.reshape(-1, x.shape[-1])
-    rows, n = x2.shape[0], sum(segment.shape[0] for segment in segments)
+    rows = x2.shape[0]
     y = None
-    if SMALL_MIN_ROWS <= rows <= SMALL_MAX_ROWS:  # declined (None) for types without its integer panels
+    if rows in block_fma_rows(segments[0].ggml_type):  # fp8, zero points, MXFP4 (declined for other segments)
+        y = _by_segment(block_fma_kernels().vq_block_fma_matmul, x2.float().contiguous(), segments,
+                        torch.empty(rows, n))
+    if y is None and SMALL_MIN_ROWS <= rows <= SMALL_MAX_ROWS:  # declined (None) for types without its panels
         y = _by_segment(block_kernels().vq_matmul_small, x2.float().contiguous(), segments, torch.empty(rows, n))
     if y is None and rows <= KERNEL_MAX_ROWS:
         y = _by_segment(block_kernels().vq_matmul, x2.float().contiguous(), segments, torch.empty(rows, n))

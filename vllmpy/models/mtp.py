@@ -13,7 +13,8 @@ first MTP block this way for k > 1). The embedding at position 0 is zeroed, as v
 checkpoint has no embed_tokens / shared_head.head of the block's own, the target's are shared.
 
 The target's loader sets its MTP tensors aside instead of dropping them (`split_mtp_layers`) when the
-engine asks for MTP speculation, so the checkpoint is read once.
+engine asks for MTP speculation, so the checkpoint is read once. A GGUF's nextn blocks (`blk.{n}.nextn.eh_proj`
+...) arrive under these HF names (loader/gguf/archs.py, `ArchSpec.mtp_names`), packed like the target's.
 """
 from __future__ import annotations
 

@@ -15,21 +15,12 @@ from vllmpy.layers.linear import Linear
 from vllmpy.layers.norm import RMSNorm
 from vllmpy.models.llama import GatedMLP
 from vllmpy.models.qwen2 import Qwen2ForCausalLM
-from vllmpy.models.qwen_vl import (
-    VISION_EPS,
-    PatchEmbed,
-    QwenVLInputs,
-    VisionBlock,
-    Windows,
-    block_positions,
-    to_block_order,
-    vision_rotary,
-)
+from vllmpy.models.qwen_vl import VISION_EPS, QwenVLInputs, VisionBlock, VisionTower, Windows, block_positions
+from vllmpy.models.qwen_vl import VISION_DEFAULTS as QWEN_VL_VISION_DEFAULTS
 
 # Qwen2_5_VLVisionConfig's defaults (hub configs list only what differs).
-VISION_DEFAULTS = {"depth": 32, "hidden_size": 1280, "hidden_act": "silu", "intermediate_size": 3420,
-                   "num_heads": 16, "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2,
-                   "temporal_patch_size": 2, "window_size": 112, "out_hidden_size": 3584,
+VISION_DEFAULTS = {**QWEN_VL_VISION_DEFAULTS, "depth": 32, "hidden_size": 1280, "hidden_act": "silu",
+                   "intermediate_size": 3420, "patch_size": 14, "window_size": 112,
                    "fullatt_block_indexes": [7, 15, 23, 31]}
 
 
@@ -47,28 +38,22 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).reshape(x.shape[0], -1, self.width))
 
 
-class Qwen2_5_VisionTransformer(nn.Module):
+class Qwen2_5_VisionTransformer(VisionTower):
     """The checkpoint's `visual`: patch_embed, blocks, merger."""
 
     def __init__(self, config: dict) -> None:
-        super().__init__()
+        super().__init__(config, patch_bias=False)
         hidden, p = config["hidden_size"], config["patch_size"]
-        self.merge = config["spatial_merge_size"]
-        self.patch_embed = PatchEmbed(config["in_channels"] * config["temporal_patch_size"] * p * p, hidden, False)
         self.blocks = nn.ModuleList(
             VisionBlock(config, RMSNorm, GatedMLP(hidden, config["intermediate_size"], config["hidden_act"], bias=True))
             for _ in range(config["depth"]))
         self.merger = PatchMerger(hidden, config["out_hidden_size"], self.merge)
-        self.head_dim = hidden // config["num_heads"]
-        self.theta = float((config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         self.full_attention = set(config["fullatt_block_indexes"])
         self.window = config["window_size"] // self.merge // p  # merged patches per window side
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[B, 1, rows, cols, D] (one grid) -> [B, rows * cols / merge^2, out_hidden_size]."""
-        patches, rows, cols = to_block_order(pixel_values, self.merge)
-        x = self.patch_embed(patches)
-        cos, sin = vision_rotary(rows, cols, self.merge, self.head_dim, self.theta, x.device)
+        x, cos, sin, rows, cols = self.embed_patches(pixel_values)
         windows = self.windows(rows, cols, x.device)
         for index, block in enumerate(self.blocks):
             x = block(x, cos, sin, None if index in self.full_attention else windows)

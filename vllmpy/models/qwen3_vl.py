@@ -16,21 +16,12 @@ from vllmpy.layers.linear import Linear
 from vllmpy.layers.norm import LayerNorm
 from vllmpy.models.llama import MLP
 from vllmpy.models.qwen3 import Qwen3ForCausalLM
-from vllmpy.models.qwen_vl import (
-    QWEN_VL_RENAMES,
-    VISION_EPS,
-    PatchEmbed,
-    QwenVLInputs,
-    VisionBlock,
-    block_positions,
-    to_block_order,
-    vision_rotary,
-)
+from vllmpy.models.qwen_vl import QWEN_VL_RENAMES, VISION_EPS, QwenVLInputs, VisionBlock, VisionTower, block_positions
+from vllmpy.models.qwen_vl import VISION_DEFAULTS as QWEN_VL_VISION_DEFAULTS
 
 # Qwen3VLVisionConfig's defaults (hub configs list only what differs).
-VISION_DEFAULTS = {"depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh", "intermediate_size": 4304,
-                   "num_heads": 16, "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2,
-                   "temporal_patch_size": 2, "out_hidden_size": 3584, "num_position_embeddings": 2304,
+VISION_DEFAULTS = {**QWEN_VL_VISION_DEFAULTS, "depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh",
+                   "intermediate_size": 4304, "patch_size": 16, "num_position_embeddings": 2304,
                    "deepstack_visual_indexes": [8, 16, 24]}
 QWEN3_VL_RENAMES = QWEN_VL_RENAMES + ((r"^(visual\.blocks\.\d+\.mlp\.)linear_fc", r"\1fc"),)
 
@@ -51,14 +42,12 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(torch.nn.functional.gelu(self.linear_fc1(x)))
 
 
-class Qwen3VLVisionModel(nn.Module):
+class Qwen3VLVisionModel(VisionTower):
     """The checkpoint's `visual`: patch_embed, pos_embed, blocks, merger, deepstack_merger_list."""
 
     def __init__(self, config: dict) -> None:
-        super().__init__()
-        hidden, p, out = config["hidden_size"], config["patch_size"], config["out_hidden_size"]
-        self.merge = config["spatial_merge_size"]
-        self.patch_embed = PatchEmbed(config["in_channels"] * config["temporal_patch_size"] * p * p, hidden, True)
+        super().__init__(config, patch_bias=True)
+        hidden, out = config["hidden_size"], config["out_hidden_size"]
         self.pos_embed = nn.Embedding(config["num_position_embeddings"], hidden)
         self.pos_embed.weight.requires_grad_(False)
         self.side = int(config["num_position_embeddings"] ** 0.5)
@@ -69,14 +58,11 @@ class Qwen3VLVisionModel(nn.Module):
         self.deepstack_indexes = list(config["deepstack_visual_indexes"])
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(hidden, out, self.merge, post_shuffle=True)
                                                    for _ in self.deepstack_indexes)
-        self.head_dim = hidden // config["num_heads"]
-        self.theta = float((config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[B, 1, rows, cols, D] (one grid) -> [B, rows * cols / merge^2, out * (1 + deepstack levels)]."""
-        patches, rows, cols = to_block_order(pixel_values, self.merge)
-        x = self.patch_embed(patches) + self.position_table(rows, cols).to(patches.dtype)
-        cos, sin = vision_rotary(rows, cols, self.merge, self.head_dim, self.theta, x.device)
+        x, cos, sin, rows, cols = self.embed_patches(pixel_values)
+        x = x + self.position_table(rows, cols).to(pixel_values.dtype)
         levels = []
         for index, block in enumerate(self.blocks):
             x = block(x, cos, sin)

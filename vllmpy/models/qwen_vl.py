@@ -27,6 +27,9 @@ QWEN_VL_RENAMES = VLM_CHECKPOINT_RENAMES[:3] + ((r"^model\.visual\.", "visual.")
 VISION_EPS = 1e-6  # fixed in transformers' vision norms (RMSNorm in Qwen2.5-VL, LayerNorm in Qwen3-VL)
 # The largest image's span by default (Qwen2VLImageProcessor's max_pixels / 28^2): the encoder budget's floor.
 DEFAULT_MAX_IMAGE_TOKENS = 16384
+# The vision-config defaults Qwen2_5_VLVisionConfig and Qwen3VLVisionConfig agree on (each tower adds its own).
+VISION_DEFAULTS = {"num_heads": 16, "in_channels": 3, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                   "out_hidden_size": 3584}
 
 
 def text_config(config: dict) -> dict:
@@ -140,6 +143,27 @@ class PatchEmbed(nn.Module):
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         return self.proj(patches.to(self.proj.weight.dtype))
+
+
+class VisionTower(nn.Module):
+    """What both towers start with: the patch embedding and the 2-D rotary over an image's merge-block
+    order; a subclass adds its blocks and mergers."""
+
+    def __init__(self, config: dict, patch_bias: bool) -> None:
+        super().__init__()
+        hidden, p = config["hidden_size"], config["patch_size"]
+        self.merge = config["spatial_merge_size"]
+        self.patch_embed = PatchEmbed(config["in_channels"] * config["temporal_patch_size"] * p * p, hidden,
+                                      patch_bias)
+        self.head_dim = hidden // config["num_heads"]
+        self.theta = float((config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+    def embed_patches(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """[B, 1, rows, cols, D] (one grid) -> (patch embeddings in merge-block order, cos, sin, rows, cols)."""
+        patches, rows, cols = to_block_order(pixel_values, self.merge)
+        x = self.patch_embed(patches)
+        cos, sin = vision_rotary(rows, cols, self.merge, self.head_dim, self.theta, x.device)
+        return x, cos, sin, rows, cols
 
 
 def _flatten_kernel(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:

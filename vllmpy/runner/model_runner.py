@@ -328,7 +328,7 @@ class ModelRunner:
                 # indexing copies the logits: only when a failed row was dropped
                 picked = logits if len(keep) == len(rows) else logits[[p for j in keep for p in range(first[j], first[j + 1])]]
                 result = verify(self.sampler, picked, [states[j].row for j in keep], [drafts[j] for j in keep],
-                                self.vocab_size, self.device)
+                                self.vocab_size, self.device, [so.chunks[rows[j]].draft_probs for j in keep])
                 break
             except SamplingRowError as exc:
                 bad = {keep[r] for r in exc.rows}

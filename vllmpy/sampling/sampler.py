@@ -102,49 +102,93 @@ def _sample(logits: torch.Tensor, meta: SamplingMetadata, greedy: torch.Tensor) 
 
 
 def _sample_random(logits: torch.Tensor, rnd: RandomRows) -> torch.Tensor:
-    return exponential_race(random_probs(logits, rnd), rnd.generators)
+    return categorical(random_probs(logits, rnd), rnd.generators)
 
 
 def random_probs(logits: torch.Tensor, rnd: RandomRows) -> torch.Tensor:
-    """The distribution a random row samples from: processed logits / temperature, min_p, top-k/top-p."""
+    """The distribution a random row samples from: processed logits / temperature, min_p, top-k/top-p.
+    The division makes the one copy; every filter after it masks that copy in place."""
     logits = logits / rnd.temperature
     if rnd.min_p is not None:
-        logits = _apply_min_p(logits, rnd.min_p)
-    if rnd.top_k is not None or rnd.top_p is not None:
-        logits = _apply_top_k_top_p(logits, rnd.top_k, rnd.top_p)
+        _apply_min_p(logits, rnd.min_p)
+    if rnd.top_k is not None:
+        _apply_top_k(logits, rnd.top_k)
+    if rnd.top_p is not None:
+        _apply_top_p(logits, rnd.top_p)
     return logits.softmax(dim=-1)
 
 
-def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     """Drop tokens whose probability is below min_p times the most likely token's."""
     probs = logits.softmax(dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """One ascending sort serves both filters; the most likely token always survives.
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> None:
+    """Keep each row's k largest logits and every token tied with the k-th; rows holding vocab_size keep all.
+    torch.topk of the batch's largest k, not a sort of the vocabulary (17 ms at 262k)."""
+    vocab = logits.shape[1]
+    enabled = top_k < vocab
+    k = int(top_k.masked_fill(~enabled, 1).max())
+    values = logits.topk(k, dim=-1).values
+    kth = values.gather(1, (top_k.clamp(max=k) - 1).unsqueeze(1)).masked_fill_(~enabled.unsqueeze(1), float("-inf"))
+    logits.masked_fill_(logits < kth, float("-inf"))
 
-    top_k keeps every token tied with the k-th largest; top_p drops the low tail whose mass is <= 1 - p.
+
+# top_p looks for its cut among the most likely tokens: this many first, then more for the rows it did not
+# reach (a flat distribution), and the whole vocabulary last.
+_TOP_P_CANDIDATES = (256, 4096)
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Keep the most likely tokens while the mass ranked above each is below p (the top token always
+    survives), and every token tied with the last one kept; rows holding 1.0 keep all. A topk of the
+    candidates finds the cut where they hold at least p, not a sort of the vocabulary (17 ms at 262k)."""
+    probs = logits.softmax(dim=-1)
+    rows = (top_p < 1.0).nonzero().squeeze(1)
+    vocab = logits.shape[1]
+    for candidates in (*_TOP_P_CANDIDATES, vocab):
+        if rows.numel() == 0:
+            return
+        every = rows.numel() == logits.shape[0]
+        sub, p = (probs, top_p) if every else (probs.index_select(0, rows), top_p.index_select(0, rows))
+        values = sub.topk(min(candidates, vocab), dim=-1).values
+        mass = values.cumsum(dim=-1)
+        # at least the top token: a p that float32 rounds to 0 (top_p=5e-324) keeps it alone
+        kept = ((mass - values) < p.unsqueeze(1)).sum(dim=1, keepdim=True).clamp_(min=1)
+        reached = (mass[:, -1] >= p) | (candidates >= vocab)  # the whole row: a total rounded below p keeps all
+        cut = values.gather(1, kept - 1).masked_fill_(~reached.unsqueeze(1), 0.0)
+        if every:
+            logits.masked_fill_(sub < cut, float("-inf"))
+        else:
+            logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(sub < cut, float("-inf")))
+        rows = rows[~reached]
+
+
+def categorical(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One token per row, token i with probability p_i / sum(p) (p need not sum to 1).
+
+    Each row draws one uniform: a seeded row from its own generator, so its tokens do not depend on the batch
+    around it; the other rows share one call on the default generator. On CPU float32 the C kernel inverts
+    the row's cumulative sum; elsewhere the exponential race does the same job.
     """
-    sorted_logits, order = logits.sort(dim=-1)
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (logits.shape[1] - top_k).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        tail_mass = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = tail_mass <= (1.0 - top_p).unsqueeze(1)
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return logits.scatter(1, order, sorted_logits)  # order is a permutation: every entry is rewritten
+    lib = layer_kernels()
+    if lib is None or probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.dim() != 2:
+        return exponential_race(probs, generators)
+    probs = probs.contiguous()
+    rows, n = probs.shape
+    u = torch.rand(rows, dtype=torch.float64) if len(generators) < rows else torch.empty(rows, dtype=torch.float64)
+    for row, generator in generators.items():
+        u[row] = float(torch.rand(1, dtype=torch.float64, generator=generator))
+    out = torch.empty(rows, dtype=torch.int64)
+    lib.vq_sample_rows(probs.data_ptr(), rows, n, u.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """argmax(p / E) with E ~ Exponential(1) picks token i with probability p_i (p need not sum to 1).
-
-    A seeded row draws its whole noise row from its own generator, so its tokens do not depend on the
-    batch around it; the other rows share one call on the default generator.
-    """
+    """argmax(p / E) with E ~ Exponential(1) picks token i with probability p_i (p need not sum to 1): the
+    device-independent path of `categorical`, one Exp(1) per entry (the row's generator for a seeded row)."""
     noise = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
         noise.exponential_()

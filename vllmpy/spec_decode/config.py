@@ -2,9 +2,10 @@
 
 Defaults follow vLLM: ngram looks up n-grams of prompt_lookup_min..prompt_lookup_max tokens (5..5 when
 neither is given, the other one's value when one is), suffix drafts up to suffix_decoding_max_tree_depth
-tokens, draft_model drafts greedily with a second checkpoint (`model`; a `model` key without `method` means
-draft_model, as in vLLM), mtp drafts with the target checkpoint's own MTP block (k > 1 chains it, as vLLM
-does; the checkpoint is checked when it opens, spec_decode/mtp.py). Methods that need heads we do not run yet parse and are refused by name, so a
+tokens, draft_model drafts with a second checkpoint (`model`; a `model` key without `method` means
+draft_model, as in vLLM), greedily or sampled (`draft_sample_method`), mtp drafts with the target
+checkpoint's own MTP block (k > 1 chains it, as vLLM does; the checkpoint is checked when it opens,
+spec_decode/mtp.py). Methods that need heads we do not run yet parse and are refused by name, so a
 vLLM command line fails here instead of running without the speculation it asked for.
 """
 from __future__ import annotations
@@ -21,6 +22,10 @@ REFUSED_METHODS = {
     "eagle3": "needs a model with EAGLE heads; none is supported yet",
     "medusa": "needs a model with Medusa heads; none is supported yet",
 }
+# greedy: a draft model drafts its argmax (one-hot drafts); probabilistic (vLLM's name): it samples each draft
+# from its own distribution q at the request's temperature / top-k / top-p / min-p, and the verifier accepts
+# with min(1, p/q) and resamples rejections from max(p - q, 0) (spec_decode/rejection.py).
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 # Above this many running requests no request drafts: the step is then compute-bound and the drafts'
 # extra query tokens cost more than the forwards they save. A stated choice for the 2-core host with the
 # default model (FEATURES.md, engine.spec-decode), not a tuned optimum; more cores may afford a higher one.
@@ -101,9 +106,13 @@ class SpeculativeConfig:
         _require(0 <= self.suffix_decoding_min_token_prob <= 1, "suffix_decoding_min_token_prob", "in [0, 1]",
                  self.suffix_decoding_min_token_prob)
         _require(self.disable_by_batch_size >= 1, "disable_by_batch_size", ">= 1", self.disable_by_batch_size)
-        if self.draft_sample_method != "greedy":
-            raise ValueError(f"--speculative-config: draft_sample_method must be 'greedy' (drafts are lookups or "
-                             f"the draft model's argmax), got {self.draft_sample_method!r}")
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"--speculative-config: draft_sample_method must be 'greedy' or 'probabilistic', got "
+                             f"{self.draft_sample_method!r}")
+        if self.draft_sample_method != "greedy" and self.method != "draft_model":
+            raise ValueError(f"--speculative-config: draft_sample_method must be 'greedy' for method "
+                             f"{self.method!r} (its drafts are lookups or an argmax); 'probabilistic' applies to "
+                             f"draft_model, got {self.draft_sample_method!r}")
         if self.draft_tensor_parallel_size not in (None, 1):
             raise ValueError(f"--speculative-config: draft_tensor_parallel_size must be 1 (the draft model runs "
                              f"unsharded in the engine's process), got {self.draft_tensor_parallel_size!r}")
@@ -113,7 +122,7 @@ class SpeculativeConfig:
         if self.method == "ngram":
             shape = f"prompt_lookup {self.prompt_lookup_min}..{self.prompt_lookup_max}"
         elif self.method == "draft_model":
-            shape = f"draft model {self.model}"
+            shape = f"draft model {self.model}, {self.draft_sample_method} drafts"
         elif self.method == "mtp":
             shape = "the target's MTP block"
         else:

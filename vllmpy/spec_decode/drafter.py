@@ -15,9 +15,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from vllmpy.engine.kv_cache_spec import FullAttentionSpec, KVCacheLayout, SlidingWindowSpec
 from vllmpy.spec_decode.config import SpeculativeConfig
-from vllmpy.spec_decode.proposer import BatchProposer, DraftRequest, Proposer
+from vllmpy.spec_decode.proposer import BatchProposer, DraftRequest, Proposer, SampledProposer
 
 # Chosen, not tuned. Measured on the (heavily shared) 2-core host, default model, batch 1: a verification
 # step with 5 drafts cost 2.5-2.9 plain decode steps (its 6 logits rows over a 262k vocabulary weigh), so a
@@ -65,6 +67,9 @@ class Drafter:
         # A batching proposer drafts for the whole step in begin_step; propose() then hands those out.
         self._batching = isinstance(proposer, BatchProposer)
         self._step_drafts: dict[str, list[int]] = {}
+        # draft_sample_method probabilistic: each step's q rows, handed to the verifier with the drafts.
+        self._sampled = config.draft_sample_method != "greedy" and isinstance(proposer, SampledProposer)
+        self._step_probs: dict[str, torch.Tensor] = {}
 
     def enabled_for(self, num_running: int) -> bool:
         return num_running <= self.config.disable_by_batch_size
@@ -74,9 +79,12 @@ class Drafter:
         BatchProposer drafts for all of them in one call (a draft model's forwards serve the batch)."""
         if not self._batching:
             return
-        batch = [replace(c, k=k) for c in candidates if (k := self._num_drafts(c.req_id, c.k)) > 0]
+        batch = [replace(c, k=k, sampling_params=c.sampling_params if self._sampled else None)
+                 for c in candidates if (k := self._num_drafts(c.req_id, c.k)) > 0]
         drafts = self.proposer.propose_batch(batch) if batch else []
         self._step_drafts = {c.req_id: list(d)[:c.k] for c, d in zip(batch, drafts, strict=True)}
+        if self._sampled:
+            self._step_probs = {c.req_id: q for c in batch if (q := self.proposer.draft_probs(c.req_id)) is not None}
 
     def propose(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, max_drafts: int) -> list[int]:
         """Up to min(k, max_drafts) draft tokens to follow the request's verified `token_ids`."""
@@ -86,6 +94,11 @@ class Drafter:
         if k <= 0:
             return []
         return list(self.proposer.propose(req_id, token_ids, num_prompt_tokens, k))[:k]
+
+    def draft_probs(self, req_id: str, num_drafts: int) -> torch.Tensor | None:
+        """q of the request's first `num_drafts` drafts this step, when they were sampled (None: one-hot)."""
+        q = self._step_probs.pop(req_id, None)
+        return None if q is None else q[:num_drafts]
 
     def _num_drafts(self, req_id: str, max_drafts: int) -> int:
         """How many drafts the request asks for this step: 0 while paused, else ceil(k x its EMA)."""

@@ -49,12 +49,11 @@ def check_mtp_target(config: EngineConfig, checkpoint: Checkpoint) -> bool:
         raise ValueError(f"--speculative-config: method 'mtp' needs an architecture with MTP heads (DeepSeek-V3, "
                          f"GLM-4.5, GLM-4.7-Flash); {arch} has none")
     if num_mtp_layers(checkpoint.config) < 1:
+        hint = ("; llama.cpp's converter drops DeepSeek-V2/V3's MTP layers (GLM-4.5 and GLM-4.7-Flash files keep "
+                "them, blocks past the decoder with nextn.* tensors)" if checkpoint.format == "gguf" else "")
         raise ValueError(f"--speculative-config: method 'mtp': this checkpoint has no MTP layers "
                          f"(num_nextn_predict_layers is {checkpoint.config.get('num_nextn_predict_layers')!r}, "
-                         f"must be >= 1)")
-    if checkpoint.format == "gguf":
-        raise ValueError("--speculative-config: method 'mtp' reads the MTP block from safetensors checkpoints; "
-                         "a GGUF's nextn tensors are not loaded yet")
+                         f"must be >= 1){hint}")
     if config.parallel.tensor_parallel_size > 1:
         raise ValueError(f"--speculative-config: method 'mtp' with --tensor-parallel-size "
                          f"{config.parallel.tensor_parallel_size}: the MTP block runs unsharded in the engine's "

@@ -6,13 +6,20 @@ is kept, so a proposer never needs to be right, only cheap and often right.
 
 A proposer whose work is cheaper batched (a draft model: one forward per draft position serves every
 request) also implements BatchProposer: the drafter then calls `propose_batch` once per step with every
-running decode instead of `propose` per request.
+running decode instead of `propose` per request. One that samples its drafts (a draft model under
+draft_sample_method probabilistic) also implements SampledProposer: the verifier needs the distribution q
+each draft was drawn from.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllmpy.sampling_params import SamplingParams
 
 
 class Proposer(Protocol):
@@ -33,6 +40,8 @@ class DraftRequest:
     token_ids: Sequence[int]
     num_prompt_tokens: int
     k: int
+    # The request's sampling controls, handed over only when drafts are sampled (None: draft greedily).
+    sampling_params: SamplingParams | None = None
 
 
 @runtime_checkable
@@ -42,3 +51,10 @@ class BatchProposer(Proposer, Protocol):
 
     def on_request_preempted(self, req_id: str) -> None:
         """The request was preempted (it recomputes from scratch later): drop what it holds."""
+
+
+@runtime_checkable
+class SampledProposer(BatchProposer, Protocol):
+    def draft_probs(self, req_id: str) -> torch.Tensor | None:
+        """[drafts, vocab]: the distribution each of the request's last drafts was sampled from (None: they
+        were argmaxes, one-hot)."""

@@ -4,9 +4,10 @@ pipeline, then rejection sampling decides how many drafts to keep.
 A request with d drafts has d + 1 logits rows; row j is processed as if the first j drafts were already
 output (penalties, min_tokens, custom processors, grammar mask), with the request's own generator.
 Greedy rows keep drafts while each equals the argmax, then the argmax. Random rows follow Leviathan et
-al. for a deterministic (one-hot) proposer: draft x is kept with probability p(x); on the first reject the
-token is sampled from p with x removed (renormalised); if all are kept the bonus is sampled from the last
-row. Either way the output has exactly the distribution of sampling one token at a time. Logprobs are the
+al.: draft x, sampled from the proposer's q, is kept with probability min(1, p(x) / q(x)); on the first
+reject the token is sampled from max(p - q, 0) (renormalised); if all are kept the bonus is sampled from the
+last row. A deterministic proposer's q is one-hot at x: keep with p(x), else sample p with x removed. Either
+way the output has exactly the distribution of sampling one token at a time. Logprobs are the
 target's raw logprobs of the kept tokens, as without speculation.
 """
 from __future__ import annotations
@@ -44,9 +45,11 @@ class _MaskAt:
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[RowState], drafts: Sequence[list[int]],
-           vocab_size: int, device: torch.device) -> list[Verified]:
-    """`logits`: len(drafts[i]) + 1 rows per request i, in order. A request whose grammar refuses a draft
-    verifies only the drafts before it (that draft could never be kept).
+           vocab_size: int, device: torch.device,
+           draft_probs: Sequence[torch.Tensor | None] | None = None) -> list[Verified]:
+    """`logits`: len(drafts[i]) + 1 rows per request i, in order; `draft_probs[i]`: q of request i's drafts
+    ([len(drafts[i]), vocab]) when they were sampled, None when one-hot. A request whose grammar refuses a
+    draft verifies only the drafts before it (that draft could never be kept).
 
     Raises SamplingRowError naming requests (indices into `rows`) that cannot be sampled."""
     masks = [_grammar_masks(row, d) if row.grammar is not None and d else None for row, d in zip(rows, drafts)]
@@ -58,14 +61,17 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[RowState], dra
         logits = logits[[starts[i] + j for i, d in enumerate(drafts) for j in range(len(d) + 1)]]
     owner: list[int] = []  # virtual row -> request
     virtual: list[RowState] = []
+    q_rows: list[torch.Tensor | None] = []  # virtual row -> q of its draft (None: one-hot, or a bonus row)
     for i, (row, d) in enumerate(zip(rows, drafts)):
         virtual += _position_rows(row, d, masks[i], vocab_size, device)
         owner += [i] * (len(d) + 1)
+        q = None if draft_probs is None else draft_probs[i]
+        q_rows += [None if q is None else q[j] for j in range(len(d))] + [None]
     try:
         meta = SamplingMetadata.build(virtual, vocab_size, device)
         if any(drafts):
             raw, processed, greedy = sampler.process(logits, meta)
-            candidate, accepted = _decide(processed, greedy, meta, drafts, device)
+            candidate, accepted = _decide(processed, greedy, meta, drafts, q_rows, device)
             logprobs = row_logprobs(raw, candidate, meta)
         else:  # nothing to verify: the plain sampler, token for token as without speculation
             result = sampler(logits, meta)
@@ -135,7 +141,7 @@ def _allowed(mask: torch.Tensor, token: int, vocab_size: int) -> bool:
 
 
 def _decide(processed: torch.Tensor, greedy: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]],
-            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+            q_rows: list[torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per virtual row: the token kept there if verification reaches it, and whether its draft is accepted
     (False on bonus rows)."""
     draft_at = torch.tensor([t for d in drafts for t in d + [-1]], dtype=torch.int64, device=device)
@@ -149,10 +155,17 @@ def _decide(processed: torch.Tensor, greedy: torch.Tensor, meta: SamplingMetadat
     probs = random_probs(processed.index_select(0, index), rnd)
     x, with_draft = draft_at.index_select(0, index), has_draft.index_select(0, index)
     p_x = probs.gather(1, x.clamp(min=0).unsqueeze(1)).squeeze(1)
-    keep = with_draft & (_uniform(with_draft, rnd.generators, device) < p_x)
+    q_x = torch.ones_like(p_x)  # one-hot drafts
     residual = probs.clone()
     picked = with_draft.nonzero().squeeze(1)
     residual[picked, x[picked]] = 0.0  # p with the draft removed; exponential_race needs no renormalising
+    sampled = [(pos, q) for pos, virtual in enumerate(index.tolist()) if (q := q_rows[virtual]) is not None] \
+        if any(q is not None for q in q_rows) else []
+    for pos, q in sampled:  # a sampled draft: keep with min(1, p(x) / q(x)), else sample max(p - q, 0)
+        q_x[pos] = q[x[pos]]
+        excess = (probs[pos] - q).clamp_(min=0.0)
+        residual[pos] = excess if bool(excess.any()) else probs[pos]  # p == q: no reject can happen anyway
+    keep = with_draft & (_uniform(with_draft, rnd.generators, device) * q_x < p_x)
     token = torch.where(keep, x, exponential_race(residual, rnd.generators))
     candidate.index_copy_(0, index, token)
     accepted.index_copy_(0, index, keep)

@@ -7,12 +7,15 @@ and needs no torch/triton; its per-token cost (~10-40 us a row here) is far belo
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import llguidance
 import torch
 
 from vllmpy.structured_output.params import StructuredOutputsParams, json_object
 from vllmpy.structured_output.strict import forbid_additional_properties
+
+if TYPE_CHECKING:  # imported on the first constrained request: most engines never see one
+    import llguidance
 
 # llguidance echoes the Lark it wrapped a regex in ("   1 | start: /.../"); the user never wrote that.
 _LARK_ECHO = re.compile(r"\n\s*\d+ \| .*", re.DOTALL)
@@ -20,6 +23,8 @@ _LARK_ECHO = re.compile(r"\n\s*\d+ \| .*", re.DOTALL)
 
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar for a constraint; ValueError names the field when its text cannot be read."""
+    import llguidance
+
     kind = params.kind
     json_options = {"whitespace_flexible": not params.disable_any_whitespace}
     if kind == "json_object":

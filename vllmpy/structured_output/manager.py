@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
-import llguidance
 import torch
 
 from vllmpy.structured_output.bitmask import allocate_bitmask
@@ -11,6 +11,9 @@ from vllmpy.structured_output.config import StructuredOutputsConfig
 from vllmpy.structured_output.grammar import Grammar, describe_error, grammar_text
 from vllmpy.structured_output.params import StructuredOutputsParams
 from vllmpy.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # imported on the first constrained request: most engines never see one
+    import llguidance
 
 # Compiled specs kept; a server with many one-off schemas must not grow without bound.
 CACHE_SIZE = 256
@@ -56,6 +59,8 @@ class StructuredOutputManager:
         if matcher is not None:
             self._compiled.move_to_end(key)
             return matcher
+        import llguidance
+
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar_text(params), log_level=0)
         if matcher.is_error():
             raise ValueError(describe_error(params, matcher.get_error()))
@@ -69,6 +74,8 @@ class StructuredOutputManager:
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:
+            import llguidance
+
             self._ll_tokenizer = llguidance.LLTokenizer(
                 self._tokenizer.backend.to_str(), n_vocab=self.bitmask_vocab_size,
                 eos_token=self._eos_token_ids or None)

@@ -5,6 +5,7 @@ equivalent tokenizer.json lets GGUF and Hugging Face checkpoints share one loadi
 merges check) in `tokenizer.py`.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +75,7 @@ class GgufTokenizer:
     chat_template: str | None
 
 
-def tokenizer_from_gguf(md: dict[str, Any]) -> GgufTokenizer:
+def tokenizer_from_gguf(md: Mapping[str, Any]) -> GgufTokenizer:
     """Build the tokenizer.json a GGUF's `tokenizer.ggml.*` keys describe."""
     kind = md.get("tokenizer.ggml.model")
     tokens = md.get("tokenizer.ggml.tokens")
@@ -118,7 +119,7 @@ def tokenizer_from_gguf(md: dict[str, Any]) -> GgufTokenizer:
     )
 
 
-def _sentencepiece(md: dict[str, Any], tokens: list[str]) -> tuple[list[str], dict, dict, dict]:
+def _sentencepiece(md: Mapping[str, Any], tokens: list[str]) -> tuple[list[str], dict, dict, dict]:
     """A SentencePiece BPE vocabulary as a byte-fallback BPE whose merges follow the scores."""
     # Whitespace pieces are stored with real spaces; the text they meet has its spaces as U+2581.
     tokens = [t.replace(" ", _SPACE_MARK) if " " in t and not t.strip() else t for t in tokens]
@@ -148,7 +149,7 @@ def _sentencepiece(md: dict[str, Any], tokens: list[str]) -> tuple[list[str], di
     return tokens, model, pre_tokenizer, {"type": "Sequence", "decoders": steps}
 
 
-def _byte_level_bpe(md: dict[str, Any], tokens: list[str], types: list[int]) -> tuple[list[str], dict, dict, dict]:
+def _byte_level_bpe(md: Mapping[str, Any], tokens: list[str], types: list[int]) -> tuple[list[str], dict, dict, dict]:
     """A GPT-2 style byte-level BPE; `tokenizer.ggml.pre` names how text is split before merging."""
     pre = md.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:

@@ -5,6 +5,7 @@ Hugging Face directories and GGUF files both end up as a tokenizer.json (GGUF's 
 """
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,13 +80,12 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, md: dict[str, Any]) -> "Tokenizer":
+    def from_gguf_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":
         """Build the tokenizer a GGUF's `tokenizer.ggml.*` metadata describes."""
         gguf = load_or_build(md, _checked_gguf_tokenizer)  # a warm start reads it from the cache
-        backend = gguf.backend()
         named = {k: tokenizers.AddedToken(gguf.names[k], special=True, normalized=False)
                  for k in ("bos_token", "eos_token", "unk_token", "pad_token") if gguf.names[k] is not None}
-        return cls(backend, named, chat_template=gguf.names["chat_template"])
+        return cls(gguf.backend, named, chat_template=gguf.names["chat_template"])
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -143,7 +143,7 @@ class Tokenizer:
         return None if token is None else self._backend.token_to_id(token)
 
 
-def _checked_gguf_tokenizer(md: dict[str, Any]) -> GgufTokenizer:
+def _checked_gguf_tokenizer(md: Mapping[str, Any]) -> GgufTokenizer:
     gguf = tokenizer_from_gguf(md)
     check_merges(gguf.tokenizer_json["model"])
     return gguf

@@ -105,6 +105,10 @@ class ArchSpec:
     # GGUF leaf.kind -> HF leaves under model.layers.N: a tensor the converter fused, cut back into
     # equal row blocks (qwen3next's ssm_ba into in_proj_b / in_proj_a)
     splits: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # GGUF leaf -> HF leaf of the MTP blocks' own tensors (blk.{n_layer}.. after the decoder, counted in
+    # nextn_predict_layers): an architecture that has them loads those blocks (for `mtp` speculation),
+    # every other one skips them.
+    mtp_names: Mapping[str, str] = field(default_factory=dict)
 
 
 def _llama_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
@@ -249,6 +253,10 @@ DEEPSEEK2_LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 _EXPERT_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE
+# The MTP (nextn) block's own tensors as gguf-py names them (its decoder layer keeps the layer names).
+NEXTN_NAMES = {"nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm",
+               "nextn.embed_tokens": "embed_tokens", "nextn.shared_head_head": "shared_head.head",
+               "nextn.shared_head_norm": "shared_head.norm"}
 
 
 def _deepseek2_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
@@ -591,6 +599,7 @@ ARCHS: dict[str, ArchSpec] = {
         head_dim_keys=("rope.dimension_count",),  # transformers' head_dim: the rope part
         tensor_flags={"e_score_correction_bias": "exp_probs_b.bias"},  # read and dropped by _deepseek2_config
         extra_config=_deepseek2_config,
+        mtp_names=NEXTN_NAMES,  # GLM-4.7-Flash's converter keeps its MTP block (DeepSeek-V3's drops it)
     ),
     "minicpm3": ArchSpec(
         hf_architecture="MiniCPM3ForCausalLM",
@@ -641,6 +650,7 @@ ARCHS: dict[str, ArchSpec] = {
         head_dim_keys=("attention.key_length",),
         tensor_flags={"attention_bias": "attn_q.bias", "use_qk_norm": "attn_q_norm.weight"},
         extra_config=_glm4_moe_config,
+        mtp_names=NEXTN_NAMES,
     ),
     # HF's feed_forward.* under Llama's GGUF names; interleaved rope already (the converter does not permute).
     "llama4": ArchSpec(

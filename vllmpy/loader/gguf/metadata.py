@@ -5,6 +5,7 @@ hyperparameter is refused at open rather than producing a model with a guessed s
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from vllmpy.errors import UnsupportedCheckpointError
@@ -15,7 +16,7 @@ _MISSING: Any = object()
 class ArchMetadata:
     """Typed reads of `{arch}.<suffix>` keys (and of global keys by full name)."""
 
-    def __init__(self, metadata: dict[str, Any], arch: str) -> None:
+    def __init__(self, metadata: Mapping[str, Any], arch: str) -> None:
         self.metadata = metadata
         self.arch = arch
 
@@ -26,9 +27,10 @@ class ArchMetadata:
         return self.key(suffix) in self.metadata
 
     def with_prefix(self, prefix: str) -> dict[str, Any]:
-        """The `{arch}.<prefix>*` keys, by the rest of their name."""
+        """The `{arch}.<prefix>*` keys, by the rest of their name (only those values are read: the others may
+        be long arrays the file's metadata decodes on first read)."""
         full = self.key(prefix)
-        return {k[len(full):]: v for k, v in self.metadata.items() if k.startswith(full)}
+        return {k[len(full):]: self.metadata[k] for k in self.metadata if k.startswith(full)}
 
     def integer(self, suffix: str, default: Any = _MISSING) -> Any:
         return self._typed(self.key(suffix), default, (int,), "an integer")

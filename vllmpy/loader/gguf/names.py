@@ -18,20 +18,26 @@ class TensorName:
     hf: str
 
 
-def hf_name(spec: ArchSpec, name: str, num_layers: int) -> TensorName | None:
-    """The HF name of GGUF tensor `name`, or None when the architecture has no such tensor."""
+def hf_name(spec: ArchSpec, name: str, num_layers: int, num_mtp_layers: int = 0) -> TensorName | None:
+    """The HF name of GGUF tensor `name`, or None when the architecture has no such tensor. Layers
+    num_layers.. are the MTP blocks, which also hold `spec.mtp_names` (named as in HF checkpoints:
+    `model.layers.{num_layers}.eh_proj.weight`)."""
     if match := _BLOCK.fullmatch(name):
         layer, leaf, kind = int(match[1]), match[2], match[3]
         key = f"{leaf}.{kind}" if kind else leaf
-        if key in spec.layer_names:  # a whole HF name (`ssm_dt.bias` -> `mixer.dt_bias`)
-            hf = spec.layer_names[key]
-        elif kind and leaf in spec.layer_names:
-            hf = f"{spec.layer_names[leaf]}.{kind}"
+        names = spec.layer_names
+        if layer >= num_layers and (key in spec.mtp_names or leaf in spec.mtp_names):
+            names = spec.mtp_names
+        if key in names:  # a whole HF name (`ssm_dt.bias` -> `mixer.dt_bias`)
+            hf = names[key]
+        elif kind and leaf in names:
+            hf = f"{names[leaf]}.{kind}"
         else:
             return None
-        if layer >= num_layers:
+        if layer >= num_layers + num_mtp_layers:
             raise UnsupportedCheckpointError(
-                f"tensor {name!r} belongs to layer {layer}, but the GGUF declares {num_layers} layers")
+                f"tensor {name!r} belongs to layer {layer}, but the GGUF declares {num_layers} layers"
+                + (f" and {num_mtp_layers} MTP layers (nextn_predict_layers)" if num_mtp_layers else ""))
         return TensorName(key, f"model.layers.{layer}.{hf}")
     if (match := _GLOBAL.fullmatch(name)) and match[1] in spec.global_names:
         return TensorName(name, f"{spec.global_names[match[1]]}.{match[2]}")

@@ -18,7 +18,7 @@ import torch
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.loader.gguf.archs import ArchSpec
 from vllmpy.loader.gguf.config import build_config
-from vllmpy.loader.gguf.file import GGUFTensor, read_gguf
+from vllmpy.loader.gguf.file import GGUFMetadata, GGUFTensor, read_gguf, release_pages
 from vllmpy.loader.gguf.metadata import ArchMetadata
 from vllmpy.loader.gguf.names import TensorName, hf_name
 from vllmpy.layers.moe import expert_name, is_expert_stack
@@ -54,9 +54,15 @@ class GGUFCheckpoint:
         return copy.deepcopy(self._config)
 
     @property
-    def metadata(self) -> dict[str, Any]:
-        """Every GGUF key/value (tokenizer.ggml.* included), decoded; shared, treat as read-only."""
+    def metadata(self) -> GGUFMetadata:
+        """Every GGUF key/value (tokenizer.ggml.* included; long arrays decoded on first read); shared, read-only."""
         return self._metadata
+
+    def release_pages(self) -> None:
+        """After loading: the file's pages leave this process's RSS, and those the model still reads come back
+        on use (`file.release_pages`)."""
+        if self._plan:
+            release_pages(self._plan[0].tensor.data)
 
     @property
     def num_tensors(self) -> int:
@@ -100,7 +106,7 @@ def _row_parts(tensor: torch.Tensor | PackedTensor, count: int) -> list[torch.Te
             for data in tensor.data.chunk(count)]
 
 
-def _open(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
+def _open(path: str) -> tuple[GGUFMetadata, list[GGUFTensor]]:
     """Metadata and tensors, with low-level failures (bad magic, truncation) turned into a named refusal."""
     try:
         return read_gguf(path)
@@ -108,7 +114,7 @@ def _open(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
         raise UnsupportedCheckpointError(f"not a readable GGUF file ({type(exc).__name__}: {exc})") from None
 
 
-def _read(path: str) -> tuple[dict[str, Any], dict[str, Any], list[_Planned]]:
+def _read(path: str) -> tuple[GGUFMetadata, dict[str, Any], list[_Planned]]:
     """Metadata, config and the plan for every tensor, refusing on the first problem.
 
     The planned tensors are views of the file mapping, which they keep open.
@@ -130,9 +136,9 @@ def _read(path: str) -> tuple[dict[str, Any], dict[str, Any], list[_Planned]]:
 def _plan(arch: str, spec: ArchSpec, tensors: list[GGUFTensor], config: dict) -> list[_Planned]:
     plan = []
     for tensor in tensors:
-        if tensor.name in spec.config_tensors or _is_mtp_block(tensor.name, config):
+        if tensor.name in spec.config_tensors or (not spec.mtp_names and _is_mtp_block(tensor.name, config)):
             continue
-        name = hf_name(spec, tensor.name, config["num_hidden_layers"])
+        name = hf_name(spec, tensor.name, config["num_hidden_layers"], config.get("num_nextn_predict_layers") or 0)
         if name is None:
             raise UnsupportedCheckpointError(
                 f"tensor {tensor.name!r} has no mapping for GGUF architecture {arch!r} "
@@ -159,7 +165,7 @@ def _split_names(spec: ArchSpec, name: TensorName, tensor: GGUFTensor) -> tuple[
 
 
 def _is_mtp_block(name: str, config: dict) -> bool:
-    """A block llama.cpp's converter appends after the decoder for multi-token prediction (glm4moe's
-    nextn layers): not loaded, as the model skips the HF checkpoint's MTP layers."""
+    """A block llama.cpp's converter appends after the decoder for multi-token prediction (qwen35's
+    nextn layers): skipped where the architecture names no MTP tensors (ArchSpec.mtp_names)."""
     match = _BLOCK_INDEX.match(name)
     return bool(config.get("num_nextn_predict_layers") and match and int(match[1]) >= config["num_hidden_layers"])

@@ -1,5 +1,6 @@
 """The weight stream of a quantized safetensors checkpoint: each quantized module's tensors read together
-(from whichever shard holds each) into one packed `<module>.weight`, every other tensor dense as usual.
+(from whichever shard holds each) into one packed `<module>.weight`, a bf16 / f16 embedding or LM head
+mapped from the file in its stored dtype (tables.py), every other tensor dense as usual.
 
 Opening plans every module from the config and the shard headers, so refusals (unsupported fields, a config
 naming a module the checkpoint lacks, a tensor of an unexpected dtype) come before any weight is read.
@@ -16,6 +17,7 @@ from vllmpy.layers.quantized import PackedTensor
 from vllmpy.loader.heap import return_freed_heap
 from vllmpy.loader.quantization.config import QuantConfig, Scheme
 from vllmpy.loader.quantization.formats import COMPONENTS, read_parts
+from vllmpy.loader.quantization.tables import mapped_table
 from vllmpy.loader.safetensors import TensorInfo, check_dtype, shard_files, tensor_index
 
 # Integer tensors of the layouts (codes, zero points, g_idx, shapes) and the fp8 codes.
@@ -64,7 +66,8 @@ class QuantizedSafetensors:
                 check_dtype(name, path, dtype)
         self.num_tensors = len(self.index) - len(self.owner) + len(self.plan)
 
-    def iterate(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
+    def iterate(self, dtype: torch.dtype, tables: bool = True) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
+        """tables: a bf16 / f16 embedding or LM head comes packed over the file (tables.py), else in `dtype`."""
         with contextlib.ExitStack() as stack:
             files = {path: stack.enter_context(open(path, "rb")) for path in self.files}
 
@@ -76,7 +79,8 @@ class QuantizedSafetensors:
             for name in sorted(self.index, key=lambda n: (self.index[n].path, self.index[n].start)):
                 module = self.owner.get(name)
                 if module is None:
-                    yield name, get(name).to(dtype)
+                    table = mapped_table(name, self.index[name]) if tables else None
+                    yield name, table if table is not None else get(name).to(dtype)
                 elif module not in done:
                     done.add(module)
                     parts = read_parts(module, self.plan[module], get, self.index.__contains__)
@@ -84,5 +88,5 @@ class QuantizedSafetensors:
                     yield from parts
 
     def dense(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.iterate(dtype):
+        for name, tensor in self.iterate(dtype, tables=False):
             yield name, tensor.dequantize().to(dtype) if isinstance(tensor, PackedTensor) else tensor
