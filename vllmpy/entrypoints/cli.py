@@ -92,5 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> None:
+    """The `vllm-cli` command: main(), then exit without interpreter teardown (`process_exit`); main()
+    itself returns, for callers in the same process."""
+    from vllmpy.entrypoints.process_exit import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -2,7 +2,6 @@
 what a route computes lives in the serving_* modules."""
 import argparse
 import asyncio
-import atexit
 import json
 import logging
 import os
@@ -15,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -92,6 +91,7 @@ from vllmpy.entrypoints.openai.serving_responses import create_response, retriev
 from vllmpy.entrypoints.openai.serving_score import create_rerank, create_score
 from vllmpy.entrypoints.openai.serving_tokenization import detokenize, tokenize
 from vllmpy.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from vllmpy.entrypoints.process_exit import exit_process
 
 logger = logging.getLogger("vllmpy.server")
 
@@ -536,16 +536,6 @@ def _default_max_connections() -> int:
     return sys.maxsize if soft == resource.RLIM_INFINITY else max(1, soft - _RESERVED_FDS)
 
 
-def _exit_process(code: int) -> NoReturn:
-    """Exit without interpreter teardown, once atexit handlers (log flushing, child processes) have run:
-    freeing torch's modules takes up to ~1 s on a busy 2-core host, past the SIGTERM promise, and under
-    an engine step still running it aborts the process (SIGABRT)."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
@@ -592,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not stopped:
         logger.warning("the engine is still inside a step %.1f s after shutdown began; exiting without it",
                        SHUTDOWN_GRACE_S + _SHUTDOWN_SLACK_S)
-    _exit_process(1 if engine.errored else 0)
+    exit_process(1 if engine.errored else 0)
 
 
 if __name__ == "__main__":
