@@ -29,7 +29,7 @@ from vllmpy.engine.kv_cache_spec import KVCacheConfig
 from vllmpy.engine.schedule_types import NewRequestData, ScheduledChunk, SchedulerOutput
 from vllmpy.runner.model_runner import ModelRunner
 from vllmpy.sampling.metadata import SamplingMetadata
-from vllmpy.sampling.sampler import Sampler, SamplerOutput, exponential_race, random_probs, row_logprobs
+from vllmpy.sampling.sampler import Sampler, SamplerOutput, categorical, random_probs, row_logprobs
 from vllmpy.sampling_params import SamplingParams
 from vllmpy.spec_decode.draft_checkpoint import DraftModel
 from vllmpy.spec_decode.proposer import DraftRequest
@@ -63,7 +63,7 @@ class _RecordingSampler(Sampler):
         if rnd is not None:
             index = torch.arange(meta.num_rows, device=logits.device) if rnd.rows is None else rnd.rows
             probs = random_probs(processed.index_select(0, index), rnd)
-            sampled = sampled.index_copy(0, index, exponential_race(probs, rnd.generators))
+            sampled = sampled.index_copy(0, index, categorical(probs, rnd.generators))
             self.probs = dict(zip(index.tolist(), probs, strict=True))
         return SamplerOutput(sampled=sampled, logprobs=row_logprobs(raw, sampled, meta))
 

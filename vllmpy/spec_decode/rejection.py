@@ -20,7 +20,7 @@ import torch
 from vllmpy.engine.schedule_types import SampledLogprobs
 from vllmpy.sampling.metadata import RowState, SamplingMetadata, SamplingRowError
 from vllmpy.sampling.penalties import TokenCounts
-from vllmpy.sampling.sampler import Sampler, exponential_race, random_probs, row_logprobs
+from vllmpy.sampling.sampler import Sampler, categorical, random_probs, row_logprobs
 from vllmpy.structured_output.bitmask import allocate_bitmask
 
 
@@ -158,7 +158,7 @@ def _decide(processed: torch.Tensor, greedy: torch.Tensor, meta: SamplingMetadat
     q_x = torch.ones_like(p_x)  # one-hot drafts
     residual = probs.clone()
     picked = with_draft.nonzero().squeeze(1)
-    residual[picked, x[picked]] = 0.0  # p with the draft removed; exponential_race needs no renormalising
+    residual[picked, x[picked]] = 0.0  # p with the draft removed; categorical needs no renormalising
     sampled = [(pos, q) for pos, virtual in enumerate(index.tolist()) if (q := q_rows[virtual]) is not None] \
         if any(q is not None for q in q_rows) else []
     for pos, q in sampled:  # a sampled draft: keep with min(1, p(x) / q(x)), else sample max(p - q, 0)
@@ -166,7 +166,7 @@ def _decide(processed: torch.Tensor, greedy: torch.Tensor, meta: SamplingMetadat
         excess = (probs[pos] - q).clamp_(min=0.0)
         residual[pos] = excess if bool(excess.any()) else probs[pos]  # p == q: no reject can happen anyway
     keep = with_draft & (_uniform(with_draft, rnd.generators, device) * q_x < p_x)
-    token = torch.where(keep, x, exponential_race(residual, rnd.generators))
+    token = torch.where(keep, x, categorical(residual, rnd.generators))
     candidate.index_copy_(0, index, token)
     accepted.index_copy_(0, index, keep)
     return candidate, accepted
