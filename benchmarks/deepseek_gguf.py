@@ -20,7 +20,7 @@ the host is shared (its load average is printed). Peak RSS (VmHWM) of vllmpy com
 that load the file and decode 16 tokens, packed and with VLLMPY_GGUF_KEEP_QUANT=0 (dequantized at load);
 llama-server's after all rounds.
 
-    python benchmarks/deepseek_gguf.py [--threads 1] [--rounds 5] [--type Q8_0] [--dir DIR]
+    python benchmarks/deepseek_gguf.py [--threads 1] [--rounds 5] [--type Q8_0] [--dir DIR] [--engines vllmpy]
 """
 from __future__ import annotations
 
@@ -200,6 +200,22 @@ def kv_bytes() -> str:
             f"{expanded * LAYERS}")
 
 
+def _table(rates: dict[tuple[str, int], list[float]], peer: bool) -> None:
+    """Medians per batch: vllmpy's, and with llama.cpp its and the per-round ratio's median and range."""
+    print("| batch | vllmpy tok/s | llama.cpp tok/s | ratio (median, range over rounds) |" if peer else
+          "| batch | vllmpy tok/s (median, range over rounds) |")
+    print("|---|---|---|---|" if peer else "|---|---|")
+    for batch in BATCHES:
+        mine = rates[("vllmpy", batch)]
+        if not peer:
+            print(f"| {batch} | {statistics.median(mine):.1f} ({min(mine):.1f}-{max(mine):.1f}) |")
+            continue
+        theirs = rates[("llama.cpp", batch)]
+        ratios = [a / b for a, b in zip(mine, theirs)]
+        print(f"| {batch} | {statistics.median(mine):.1f} | {statistics.median(theirs):.1f} | "
+              f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=1)
@@ -207,6 +223,7 @@ def main() -> None:
     parser.add_argument("--type", default="Q8_0", choices=["Q8_0", "Q4_0"])
     parser.add_argument("--dir", default=None, help="keep the file here and reuse it (default: a temp dir)")
     parser.add_argument("--skip-rss", action="store_true")
+    parser.add_argument("--engines", default="vllmpy,llama.cpp", help="comma-separated: vllmpy, llama.cpp")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
@@ -218,33 +235,31 @@ def main() -> None:
         size = path.stat().st_size
         rss = {} if args.skip_rss else {"packed": child_rss(path, args.threads, True),
                                         "dequantized": child_rss(path, args.threads, False)}
-        ours, theirs = Ours(path), LlamaCpp(path, args.threads)
-        rates: dict[tuple[str, int], list[float]] = {(e, b): [] for e in ("vllmpy", "llama.cpp") for b in BATCHES}
+        ours = Ours(path)
+        theirs = LlamaCpp(path, args.threads) if "llama.cpp" in args.engines.split(",") else None
+        engines = {"vllmpy": ours.timed, **({"llama.cpp": theirs.timed} if theirs else {})}
+        rates: dict[tuple[str, int], list[float]] = {(e, b): [] for e in engines for b in BATCHES}
         loads = [load_average()]
         try:
             for r in range(args.rounds):
                 for batch in BATCHES:
-                    rates[("vllmpy", batch)].append(_decode_rate(ours.timed, batch))
-                    rates[("llama.cpp", batch)].append(_decode_rate(theirs.timed, batch))
+                    for engine, timed in engines.items():
+                        rates[(engine, batch)].append(_decode_rate(timed, batch))
                 loads.append(load_average())
                 print(f"round {r}: " + ", ".join(f"{e} b{b} {v[-1]:.1f}" for (e, b), v in rates.items()),
                       file=sys.stderr)
-            llama_rss = theirs.rss()
+            llama_rss = theirs.rss() if theirs else None
         finally:
-            theirs.close()
+            if theirs:
+                theirs.close()
     print(f"{path.name}: {size / 2**20:.0f} MiB, {args.threads} thread(s) each, {args.rounds} rounds, "
           f"load average {min(loads):.1f}-{max(loads):.1f}")
-    print("| batch | vllmpy tok/s | llama.cpp tok/s | ratio (median, range over rounds) |")
-    print("|---|---|---|---|")
-    for batch in BATCHES:
-        mine, peer = rates[("vllmpy", batch)], rates[("llama.cpp", batch)]
-        ratios = [a / b for a, b in zip(mine, peer)]
-        print(f"| {batch} | {statistics.median(mine):.1f} | {statistics.median(peer):.1f} | "
-              f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
+    _table(rates, theirs is not None)
     if rss:
+        peer_rss = f"; llama-server {llama_rss / 2**20:.0f} MiB ({max(BATCHES)} slots x {MAX_LEN} context)" \
+            if llama_rss else ""
         print(f"peak RSS: vllmpy packed {rss['packed'] / 2**20:.0f} MiB, dequantized at load "
-              f"{rss['dequantized'] / 2**20:.0f} MiB; llama-server {llama_rss / 2**20:.0f} MiB "
-              f"({max(BATCHES)} slots x {MAX_LEN} context); file {size / 2**20:.0f} MiB")
+              f"{rss['dequantized'] / 2**20:.0f} MiB{peer_rss}; file {size / 2**20:.0f} MiB")
     print(kv_bytes())
 
 

@@ -58,10 +58,10 @@ def test_rms_norm_takes_the_kernel_and_falls_back_without_it(monkeypatch: pytest
     assert len(calls) == 1
     monkeypatch.setattr(norm, "layer_kernels", lambda: None)
     assert torch.allclose(fast, module(x), rtol=1e-6, atol=1e-7)
-    # bfloat16 keeps the reference's casts (normalize in fp32, cast, then scale): never the kernel
+    # float16 keeps the torch path (bfloat16 has its own kernel: tests/unit/test_layer_ops_bf16.py)
     calls = spy_kernel(monkeypatch, norm, "vq_rms_norm")
-    module.weight.data = module.weight.data.bfloat16()
-    assert module(x.bfloat16()).dtype == torch.bfloat16 and len(calls) == 0
+    module.weight.data = module.weight.data.half()
+    assert module(x.half()).dtype == torch.float16 and len(calls) == 0
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -185,6 +185,6 @@ def test_gated_activation_kernel_special_values_and_fallbacks(monkeypatch: pytes
         assert torch.allclose(got.nan_to_num(), want[None].nan_to_num(), rtol=2e-6, atol=0)  # inf stays inf
         assert torch.equal(got.signbit(), want[None].signbit())
     monkeypatch.setattr(activation, "layer_kernels", lambda: pytest.fail("kernel used"))
-    x = torch.randn(3, 8)  # bfloat16 and ReLU keep the torch path
-    assert torch.equal(gated(F.silu, x.bfloat16()), F.silu(x[:, :4].bfloat16()) * x[:, 4:].bfloat16())
+    x = torch.randn(3, 8)  # float16 and ReLU keep the torch path
+    assert torch.equal(gated(F.silu, x.half()), F.silu(x[:, :4].half()) * x[:, 4:].half())
     assert torch.equal(gated(F.relu, x), F.relu(x[:, :4]) * x[:, 4:])

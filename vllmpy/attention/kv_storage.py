@@ -16,7 +16,7 @@ back), so a prompt computed in one prefill, in chunks or over a prefix-cache hit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,12 @@ class PagedKVCache:
     scales: torch.Tensor | None = None
     k_scale: float = 1.0
     v_scale: float = 1.0
+    # K's and V's planes [slots, kv_heads, head_dim], viewed once: a step writes and reads them in every layer.
+    planes: tuple[torch.Tensor, torch.Tensor] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        heads, dim = self.data.shape[-2:]
+        self.planes = (self.data[0].view(-1, heads, dim), self.data[1].view(-1, heads, dim))
 
     @classmethod
     def over_buffer(cls, buffer: torch.Tensor, dtype: torch.dtype, num_blocks: int, block_size: int,
@@ -80,15 +86,14 @@ class PagedKVCache:
         return self._write_one(0, k, self.k_scale, slot_mapping), self._write_one(1, v, self.v_scale, slot_mapping)
 
     def _write_one(self, which: int, x: torch.Tensor, scale: float, slots: torch.Tensor) -> torch.Tensor:
-        heads, dim = self.data.shape[-2:]
-        flat = self.data[which].view(-1, heads, dim)
+        flat = self.planes[which]
         if self.data.dtype == x.dtype:  # the model's dtype, checked first: 36 writes a step at decode
             flat.index_copy_(0, slots, x)
             return x
         if self.dtype == torch.int8:
             codes, scales = quantize_int8(x)
             flat.index_copy_(0, slots, codes)
-            self.scales[which].view(-1, heads, scales.shape[-1]).index_copy_(0, slots, scales)
+            self.scales[which].view(-1, flat.shape[1], scales.shape[-1]).index_copy_(0, slots, scales)
             return dequantize_int8(codes, scales, x.dtype)
         if self.dtype in FP8_DTYPES:
             codes = quantize_fp8(x, scale, self.dtype)

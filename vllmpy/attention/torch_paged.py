@@ -165,7 +165,7 @@ def _decode_kernel(q: torch.Tensor, kv_cache: PagedKVCache) -> ctypes.CDLL | Non
     reads, and the library built. Otherwise None (CUDA, no compiler) and torch attends."""
     # The kernel reads the K and V planes separately: each must be dense (MLA's are one plane seen twice).
     if (q.device.type != "cpu" or kv_cache.dtype not in _KERNEL_CACHE_DTYPES
-            or not (kv_cache.data[0].is_contiguous() and kv_cache.data[1].is_contiguous())):
+            or not (kv_cache.planes[0].is_contiguous() and kv_cache.planes[1].is_contiguous())):
         return None
     return attention_kernels()
 
@@ -189,10 +189,10 @@ def _kernel_decode(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: PagedKVCache, ba
     out32 = out if in_place else torch.empty(q32.shape, dtype=torch.float32)
     rows = tokens if in_place else batch.rows
     tables, seq_lens = batch.tables, batch.seq_lens
-    data, scales = kv_cache.data, kv_cache.scales  # scales: an int8 cache's, else None
+    (keys, values), scales = kv_cache.planes, kv_cache.scales  # scales: an int8 cache's, else None
     sinks = None if spec.sinks is None else spec.sinks.float().contiguous()
     status = lib.vq_paged_decode(
-        q32.data_ptr(), q32.stride(0), rows.data_ptr(), data[0].data_ptr(), data[1].data_ptr(),
+        q32.data_ptr(), q32.stride(0), rows.data_ptr(), keys.data_ptr(), values.data_ptr(),
         _KERNEL_CACHE_DTYPES[kv_cache.dtype], kv_cache.k_scale, kv_cache.v_scale,
         None if scales is None else scales[0].data_ptr(), None if scales is None else scales[1].data_ptr(),
         tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), len(rows), kv_cache.block_size, spec.num_heads,

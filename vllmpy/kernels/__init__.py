@@ -103,6 +103,9 @@ def _bind_blocks(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vq_matmul_tiled.restype = _INT
     lib.vq_matmul_small.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
     lib.vq_matmul_small.restype = _INT
+    lib.vq_matmul_heads.argtypes = [_INT, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64,
+                                    _INT]  # per-head y[h] = x[h] W[h]^T (MLA's absorbed up-projections)
+    lib.vq_matmul_heads.restype = _INT
     lib.vq_matmul_small_amx.argtypes = [_INT]  # AMX tiles in the small-batch kernel: -1 asks, 0 / 1 sets
     lib.vq_matmul_small_amx.restype = _INT
     lib.vq_matmul_tiled_built.argtypes = []
@@ -133,8 +136,8 @@ def block_kernels() -> ctypes.CDLL | None:
     """The GGML block kernel library, or None (with a one-line notice) where it cannot be built."""
     return _profiled(_load("ggml_blocks.c", _bind_blocks,
                            "quantized CPU kernels unavailable (%s); GGUF weights are dequantized at load"),
-                     "packed matmul", ("vq_matmul", "vq_matmul_small", "vq_matmul_tiled", "vq_decode_rows",
-                                       "vq_decode_range", "vq_decode_range_bf16", "vq_transpose"))
+                     "packed matmul", ("vq_matmul", "vq_matmul_small", "vq_matmul_tiled", "vq_matmul_heads",
+                                       "vq_decode_rows", "vq_decode_range", "vq_decode_range_bf16", "vq_transpose"))
 
 
 def _bind_block_fma(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -180,8 +183,13 @@ def _bind_layer_ops(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vq_row_max.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _INT]
     lib.vq_gated_act.argtypes = [_PTR, _PTR, _I64, _I64, _INT, _INT]
     lib.vq_sample_rows.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _INT]
+    lib.vq_rms_norm_bf16.argtypes = [_PTR, _PTR, _INT, _PTR, _I64, _I64, _FLOAT, _INT]
+    lib.vq_add_rms_norm_bf16.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _FLOAT, _INT]
+    lib.vq_rope_bf16.argtypes = [_PTR, _I64, _PTR, _INT, _FLOAT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
+    lib.vq_gated_act_bf16.argtypes = [_PTR, _PTR, _I64, _I64, _INT, _INT]
     for fn in (lib.vq_rms_norm, lib.vq_add_rms_norm, lib.vq_rope, lib.vq_row_max, lib.vq_gated_act,
-               lib.vq_sample_rows):
+               lib.vq_sample_rows, lib.vq_rms_norm_bf16, lib.vq_add_rms_norm_bf16, lib.vq_rope_bf16,
+               lib.vq_gated_act_bf16):
         fn.restype = None
     return lib
 
@@ -193,7 +201,8 @@ def layer_kernels() -> ctypes.CDLL | None:
     return _profiled(_load("layer_ops.c", _bind_layer_ops, "layer CPU kernels unavailable (%s); norms, rotary, "
                            "gated activations and row maxima run as torch ops"),
                      "layer ops", ("vq_rms_norm", "vq_add_rms_norm", "vq_rope", "vq_row_max",
-                                    "vq_gated_act", "vq_sample_rows"))
+                                    "vq_gated_act", "vq_sample_rows", "vq_rms_norm_bf16", "vq_add_rms_norm_bf16",
+                                    "vq_rope_bf16", "vq_gated_act_bf16"))
 
 
 def _bind_recurrent(lib: ctypes.CDLL) -> ctypes.CDLL:

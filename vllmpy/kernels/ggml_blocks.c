@@ -951,6 +951,9 @@ static inline int has_row_dot(int type) {
            type == 14;
 }
 
+/* Whether the few-row matmuls take the row dots for `type`: MXFP4, Q4Z, Q8Z too (row dots, no small-batch panels). */
+static inline int takes_row_dots(int type) { return has_row_dot(type) || type == 39 || type == 200 || type == 201; }
+
 /* out[r] = row . x[r] for r < rows, in units of x[r].unit; each case passes a constant type and
  * block size, and the callers a constant row count, so every dot is compiled for its case (no
  * switch per block, constant strides, the rows' accumulators in registers). */
@@ -1024,29 +1027,61 @@ static void fixed_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t r0
     }
 }
 
+/* Rows of x in fixed point into one scratch allocation (returned, for the caller to free; 0 when unavailable),
+ * `fx[i]` pointing into it: row i = g * per + m at x + g * outer + m * inner (a group: a head's rows). */
+static uint8_t *fixed_x(const float *x, int64_t count, int64_t per, int64_t outer, int64_t inner, int64_t k,
+                        FixedRow *fx) {
+    const int64_t nb = k / 32, padded = (nb + 3) / 4 * 4;
+    const size_t q_bytes = (size_t)(64 * nb) * sizeof(int16_t), f_bytes = (size_t)padded * sizeof(float);
+    const size_t per_row = q_bytes + 2 * f_bytes + (size_t)nb * sizeof(int);
+    uint8_t *scratch = aligned_alloc(64, (per_row * (size_t)count + 63) / 64 * 64);
+    if (!scratch) return 0;
+    int16_t *q = (int16_t *)scratch; /* all rows' integers first: 128 bytes a block keep them aligned */
+    float *f = (float *)(scratch + q_bytes * (size_t)count);
+    int *expo = (int *)(f + 2 * padded * count);
+    for (int64_t i = 0; i < count; i++) {
+        float *scale = f + 2 * padded * i, *sum = scale + padded;
+        fixed_row(x + i / per * outer + i % per * inner, k, q + 64 * nb * i, scale, sum, expo + nb * i, &fx[i]);
+    }
+    return scratch;
+}
+
 /* y = x W^T through the integer row dots: x converted once (scratch outside the parallel loop),
  * then each thread takes a contiguous range of weight rows, building each row's integers once per
  * SHARE activation rows. 0 when the scratch is unavailable. */
 static int fixed_matmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k, const float *x,
                         int64_t m_rows, float *y, int64_t ldy, int threads) {
-    const int64_t nb = k / 32, padded = (nb + 3) / 4 * 4;
-    const size_t q_bytes = (size_t)(64 * nb) * sizeof(int16_t), f_bytes = (size_t)padded * sizeof(float);
-    const size_t per_row = q_bytes + 2 * f_bytes + (size_t)nb * sizeof(int);
-    uint8_t *scratch = aligned_alloc(64, (per_row * (size_t)m_rows + 63) / 64 * 64);
-    if (!scratch) return 0;
     FixedRow fx[64];
-    int16_t *q = (int16_t *)scratch; /* all rows' integers first: 128 bytes a block keep them aligned */
-    float *f = (float *)(scratch + q_bytes * (size_t)m_rows);
-    int *expo = (int *)(f + 2 * padded * m_rows);
-    for (int64_t m = 0; m < m_rows; m++) {
-        float *scale = f + 2 * padded * m, *sum = scale + padded;
-        fixed_row(x + m * k, k, q + 64 * nb * m, scale, sum, expo + nb * m, &fx[m]);
-    }
+    uint8_t *scratch = fixed_x(x, m_rows, m_rows, 0, k, k, fx);
+    if (!scratch) return 0;
     const int64_t parts = threads > 1 ? threads : 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t part = 0; part < parts; part++)
         fixed_rows(type, w, row_bytes, n * part / parts, n * (part + 1) / parts, k, fx, m_rows, y, ldy);
     free(scratch);
+    return 1;
+}
+
+/* vq_matmul_heads through the integer row dots: every head's rows converted once, then the threads share
+ * (head, weight-row chunk) items, a head split into chunks only where threads outnumber heads. */
+static int fixed_matmul_heads(int type, const uint8_t *w, int64_t head_bytes, int64_t row_bytes, int64_t heads,
+                              int64_t n, int64_t k, const float *x, int64_t x_head, int64_t x_row, int64_t m_rows,
+                              float *y, int64_t y_head, int64_t y_row, int threads) {
+    FixedRow *fx = malloc(sizeof(FixedRow) * (size_t)(heads * m_rows));
+    uint8_t *scratch = fx ? fixed_x(x, heads * m_rows, m_rows, x_head, x_row, k, fx) : 0;
+    if (!scratch) {
+        free(fx);
+        return 0;
+    }
+    const int64_t chunks = threads > heads ? (threads + heads - 1) / heads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < heads * chunks; item++) {
+        const int64_t h = item / chunks, c = item % chunks;
+        fixed_rows(type, w + h * head_bytes, row_bytes, n * c / chunks, n * (c + 1) / chunks, k, fx + h * m_rows,
+                   m_rows, y + h * y_head, y_row);
+    }
+    free(scratch);
+    free(fx);
     return 1;
 }
 #else
@@ -1759,12 +1794,38 @@ void vq_matmul(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t
                float *y, int64_t ldy, int threads) {
     const Format *f = find(type);
 #ifdef HAVE_ROW_DOT
-    if ((has_row_dot(type) || type == 39 || type == 200 || type == 201) && m_rows <= 64 &&
-        /* MXFP4, Q4Z, Q8Z: row dots, no small-batch panels */
-        fixed_matmul(type, w, row_bytes, n, k, x, m_rows, y, ldy, threads))
+    if (takes_row_dots(type) && m_rows <= 64 && fixed_matmul(type, w, row_bytes, n, k, x, m_rows, y, ldy, threads))
         return;
 #endif
     f->matmul(w, row_bytes, f->block_bytes, n, k, x, m_rows, y, ldy, threads);
+}
+
+/* y[h] = x[h] W[h]^T for each head h < heads, in one call (MLA's absorbed up-projections: a Python loop over 128
+ * heads would cost more than the blocks it saves reading). W[h]: packed [n, k] at w + h * head_bytes, rows
+ * row_bytes apart; x[h]'s row m: k floats at x + h * x_head + m * x_row; y[h]'s row m: n floats at
+ * y + h * y_head + m * y_row (strides in floats). Row dots where the type has them, else each head's rows
+ * copied contiguous (64 at a time) for its decode + float matmul. 0 when memory ran out. */
+int vq_matmul_heads(int type, const uint8_t *w, int64_t head_bytes, int64_t row_bytes, int64_t heads, int64_t n,
+                    int64_t k, const float *x, int64_t x_head, int64_t x_row, int64_t m_rows, float *y, int64_t y_head,
+                    int64_t y_row, int threads) {
+#ifdef HAVE_ROW_DOT
+    if (takes_row_dots(type))
+        return fixed_matmul_heads(type, w, head_bytes, row_bytes, heads, n, k, x, x_head, x_row, m_rows, y, y_head,
+                                  y_row, threads);
+#endif
+    const Format *f = find(type);
+    float *rows = malloc(sizeof(float) * 64 * (size_t)k);
+    if (!rows) return 0;
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t m0 = 0; m0 < m_rows; m0 += 64) {
+            const int64_t count = m_rows - m0 < 64 ? m_rows - m0 : 64;
+            for (int64_t m = 0; m < count; m++)
+                memcpy(rows + m * k, x + h * x_head + (m0 + m) * x_row, sizeof(float) * (size_t)k);
+            f->matmul(w + h * head_bytes, row_bytes, f->block_bytes, n, k, rows, count, y + h * y_head + m0 * y_row,
+                      y_row, threads);
+        }
+    free(rows);
+    return 1;
 }
 
 static void pool_fill_chunk(void *ctx, int64_t c) { atomic_fetch_add((_Atomic int64_t *)ctx + c, c + 1); }

@@ -1,4 +1,5 @@
-/* fp16 -> float for the kernels' sources: F16C's instruction where the build has it, else an exact
+/* bfloat16 <-> float and fp16 -> float for the kernels' sources: bf16 by its bits (stores round to nearest
+ * even, as torch's .to); fp16 F16C's instruction where the build has it, else an exact
  * portable conversion (the libraries are also built without -march=native). */
 #ifndef VLLMPY_HALF_H
 #define VLLMPY_HALF_H
@@ -28,5 +29,19 @@ static inline float h2f(uint16_t h) {
     return out;
 }
 #endif
+
+static inline float bf16_load(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays a quiet NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
 
 #endif

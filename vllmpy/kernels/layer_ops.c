@@ -4,16 +4,21 @@
  * At batch-1 decode these tensors are a few hundred floats: torch spends 10-15 us of dispatch on
  * the seven ops of an RMSNorm and the six of a rotary, ~100 times per token, against well under a
  * microsecond of arithmetic here. Float32, row-major, contiguous; every row independent, so large
- * inputs (prefill) split rows across threads.
+ * inputs (prefill) split rows across threads. The *_bf16 variants take and give bfloat16 (a bf16 model's
+ * activations), compute in float32 and round to nearest even where the torch path rounds, so a bf16 step
+ * does not fall back to a dozen small torch ops per norm.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
-/* y = x / sqrt(mean(x^2) + eps) * w for one row: `w` already holds Gemma's (1 + weight). The sum of
+#include "half.h"
+
+/* 1 / sqrt(mean(x^2) + eps) of one row, which norm_row scales by w (Gemma's (1 + weight)). The sum of
  * squares is accumulated in double so the result does not depend on the summation order (torch's
  * vectorized float reduction and this loop then agree to the last bit in nearly every row). */
-static inline void norm_row(const float *x, const float *w, float *y, int64_t dim, float eps) {
+static inline float norm_inv(const float *x, int64_t dim, float eps) {
     double lanes[8] = {0};  /* independent chains: the loop vectorizes instead of waiting on one sum */
     int64_t i = 0;
     for (; i + 8 <= dim; i += 8)
@@ -21,8 +26,49 @@ static inline void norm_row(const float *x, const float *w, float *y, int64_t di
     double sum = 0.0;
     for (; i < dim; i++) sum += (double)x[i] * (double)x[i];
     for (int j = 0; j < 8; j++) sum += lanes[j];
-    const float inv = 1.0f / sqrtf((float)(sum / (double)dim) + eps);
-    for (i = 0; i < dim; i++) y[i] = (x[i] * inv) * w[i];
+    return 1.0f / sqrtf((float)(sum / (double)dim) + eps);
+}
+
+static inline void norm_row(const float *x, const float *w, float *y, int64_t dim, float eps) {
+    const float inv = norm_inv(x, dim, eps);
+    for (int64_t i = 0; i < dim; i++) y[i] = (x[i] * inv) * w[i];
+}
+
+/* norm_row on a bf16 row. A float32 scale `w` (Gemma's 1 + weight) multiplies before the one rounding;
+ * a bf16 one (w_bf16: Llama's weight in a bf16 model) multiplies the normalized row rounded to bf16, as
+ * torch's `weight * normalized.to(bf16)` does. */
+static inline void norm_row_bf16(const uint16_t *x, const void *w, int w_bf16, uint16_t *y, int64_t dim,
+                                 float eps) {
+    float xf[dim];
+    for (int64_t i = 0; i < dim; i++) xf[i] = bf16_load(x[i]);
+    const float inv = norm_inv(xf, dim, eps);
+    if (w_bf16) {
+        const uint16_t *wb = w;
+        for (int64_t i = 0; i < dim; i++) y[i] = bf16_store(bf16_load(bf16_store(xf[i] * inv)) * bf16_load(wb[i]));
+    } else {
+        const float *wf = w;
+        for (int64_t i = 0; i < dim; i++) y[i] = bf16_store((xf[i] * inv) * wf[i]);
+    }
+}
+
+void vq_rms_norm_bf16(const uint16_t *x, const void *w, int w_bf16, uint16_t *y, int64_t rows, int64_t dim,
+                      float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim > 65536)
+    for (int64_t r = 0; r < rows; r++) norm_row_bf16(x + r * dim, w, w_bf16, y + r * dim, dim, eps);
+}
+
+/* vq_add_rms_norm on bf16 rows, rounding where the modules' outputs and torch's bf16 add round; both
+ * scales of one dtype (w_bf16). */
+void vq_add_rms_norm_bf16(const uint16_t *x, const uint16_t *branch, const void *w_branch, const void *w_next,
+                          int w_bf16, uint16_t *x_out, uint16_t *y, int64_t rows, int64_t dim, float eps,
+                          int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *xo = x_out + r * dim;
+        norm_row_bf16(branch + r * dim, w_branch, w_bf16, xo, dim, eps);
+        for (int64_t i = 0; i < dim; i++) xo[i] = bf16_store(bf16_load(x[r * dim + i]) + bf16_load(xo[i]));
+        if (w_next) norm_row_bf16(xo, w_next, w_bf16, y + r * dim, dim, eps);
+    }
 }
 
 void vq_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t dim, float eps, int threads) {
@@ -44,6 +90,28 @@ void vq_add_rms_norm(const float *x, const float *branch, const float *w_branch,
     }
 }
 
+/* v rounded to bf16 and back where `bf16`: a bf16 kernel rounds each product and sum as torch's bf16 ops
+ * do, so it gives the torch path's tensors (a constant 0 compiles to nothing in the float32 kernels). */
+static inline float rounded(float v, int bf16) { return bf16 ? bf16_load(bf16_store(v)) : v; }
+
+/* One head's rotation (torch's products and sums, each rounded to bf16 where `bf16`), for both dtypes. */
+static inline void rotate_head(const float *v, const float *c, const float *s, float *o, int64_t dim, int64_t rot,
+                               int interleaved, int bf16) {
+    const int64_t half = rot / 2;
+    if (interleaved) {
+        for (int64_t i = 0; i < rot; i += 2) {
+            o[i] = rounded(v[i] * c[i], bf16) + rounded((-v[i + 1]) * s[i], bf16);
+            o[i + 1] = rounded(v[i + 1] * c[i + 1], bf16) + rounded(v[i] * s[i + 1], bf16);
+        }
+    } else {
+        for (int64_t i = 0; i < half; i++) {
+            o[i] = rounded(v[i] * c[i], bf16) + rounded((-v[i + half]) * s[i], bf16);
+            o[i + half] = rounded(v[i + half] * c[i + half], bf16) + rounded(v[i] * s[i + half], bf16);
+        }
+    }
+    for (int64_t i = rot; i < dim; i++) o[i] = v[i];
+}
+
 /* out [tokens, heads, dim] = x rotated: the first `rot` dims of every head turned by the angles of
  * cos/sin [tokens, rot] (already in the layout they apply to: halves repeated for rotate-half, pairs
  * repeated for interleaved), the rest copied. Rotate-half pairs dim i with i + rot/2, interleaved 2i
@@ -54,7 +122,6 @@ void vq_add_rms_norm(const float *x, const float *branch, const float *w_branch,
 void vq_rope(const float *x, int64_t x_token_stride, const float *norm_w, float eps, const float *cos,
              const float *sin, float *out, int64_t tokens, int64_t heads, int64_t dim, int64_t rot, int interleaved,
              int threads) {
-    const int64_t half = rot / 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens * heads * dim > 65536)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + t * rot, *s = sin + t * rot;
@@ -66,18 +133,34 @@ void vq_rope(const float *x, int64_t x_token_stride, const float *norm_w, float 
                 norm_row(v, norm_w, normed, dim, eps);
                 v = normed;
             }
-            if (interleaved) {
-                for (int64_t i = 0; i < rot; i += 2) {
-                    o[i] = v[i] * c[i] + (-v[i + 1]) * s[i];
-                    o[i + 1] = v[i + 1] * c[i + 1] + v[i] * s[i + 1];
-                }
-            } else {
-                for (int64_t i = 0; i < half; i++) {
-                    o[i] = v[i] * c[i] + (-v[i + half]) * s[i];
-                    o[i + half] = v[i + half] * c[i + half] + v[i] * s[i + half];
-                }
+            rotate_head(v, c, s, o, dim, rot, interleaved, 0);
+        }
+    }
+}
+
+/* vq_rope on bf16 x, cos, sin and out: each head (normalized first and rounded to bf16, as the norm
+ * module's output, when norm_w is given; w_bf16 as in norm_row_bf16) rotated as torch's bf16 ops do. */
+void vq_rope_bf16(const uint16_t *x, int64_t x_token_stride, const void *norm_w, int w_bf16, float eps,
+                  const uint16_t *cos, const uint16_t *sin, uint16_t *out, int64_t tokens, int64_t heads, int64_t dim,
+                  int64_t rot, int interleaved, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens * heads * dim > 65536)
+    for (int64_t t = 0; t < tokens; t++) {
+        float c[rot], s[rot], v[dim], o[dim];
+        for (int64_t i = 0; i < rot; i++) {
+            c[i] = bf16_load(cos[t * rot + i]);
+            s[i] = bf16_load(sin[t * rot + i]);
+        }
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *head = x + t * x_token_stride + h * dim;
+            uint16_t normed[norm_w ? dim : 1];
+            if (norm_w) {
+                norm_row_bf16(head, norm_w, w_bf16, normed, dim, eps);
+                head = normed;
             }
-            for (int64_t i = rot; i < dim; i++) o[i] = v[i];
+            for (int64_t i = 0; i < dim; i++) v[i] = bf16_load(head[i]);
+            rotate_head(v, c, s, o, dim, rot, interleaved, 1);
+            uint16_t *oh = out + (t * heads + h) * dim;
+            for (int64_t i = 0; i < dim; i++) oh[i] = bf16_store(o[i]);
         }
     }
 }
@@ -204,19 +287,32 @@ static inline float exp_vec(float x) {
  * tensor). act 0: SiLU, g / (1 + e^-g). act 1: GELU's tanh form, written g / (1 + e^(-2u)) with
  * u = sqrt(2/pi) (g + 0.044715 g^3), which equals 0.5 g (1 + tanh u) without its cancellation for g < 0.
  * Results differ from torch's in the last bits (its exp/tanh are other approximations). */
+static inline void gated_row(const float *g, const float *u, float *o, int64_t inter, int act, int bf16) {
+    if (act == 0) {
+        for (int64_t i = 0; i < inter; i++) o[i] = rounded(g[i] / (1.0f + exp_vec(-g[i])), bf16) * u[i];
+    } else {
+        for (int64_t i = 0; i < inter; i++) {
+            const float x = g[i];
+            const float inner = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+            o[i] = rounded(x / (1.0f + exp_vec(-2.0f * inner)), bf16) * u[i];
+        }
+    }
+}
+
 void vq_gated_act(const float *gate_up, float *out, int64_t rows, int64_t inter, int act, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * inter > 32768)
+    for (int64_t r = 0; r < rows; r++) gated_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter,
+                                                 out + r * inter, inter, act, 0);
+}
+
+/* vq_gated_act on bf16 gate_up and out: the activation and the product each rounded to bf16, as torch's
+ * bf16 ops round them. */
+void vq_gated_act_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int act, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * inter > 32768)
     for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * 2 * inter, *u = g + inter;
-        float *o = out + r * inter;
-        if (act == 0) {
-            for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_vec(-g[i])) * u[i];
-        } else {
-            for (int64_t i = 0; i < inter; i++) {
-                const float x = g[i];
-                const float inner = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
-                o[i] = x / (1.0f + exp_vec(-2.0f * inner)) * u[i];
-            }
-        }
+        float row[2 * inter], o[inter];
+        for (int64_t i = 0; i < 2 * inter; i++) row[i] = bf16_load(gate_up[r * 2 * inter + i]);
+        gated_row(row, row + inter, o, inter, act, 1);
+        for (int64_t i = 0; i < inter; i++) out[r * inter + i] = bf16_store(o[i]);
     }
 }

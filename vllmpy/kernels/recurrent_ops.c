@@ -13,25 +13,12 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "half.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #define PARALLEL_WORK 65536 /* below this many state values a thread wake-up costs more than it saves */
-
-static inline float bf16_load(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t bf16_store(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays a quiet NaN */
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 /* A state row of n values as float: the row itself (float32 states) or `tmp` filled from bf16. */
 static inline float *row_in(void *state, int bf16, int64_t at, int64_t n, float *tmp) {

@@ -43,17 +43,18 @@ _KERNEL_ACTS = {F.silu: 0, _gelu_tanh: 1}
 
 
 def gated(act: Callable[[torch.Tensor], torch.Tensor], gate_up: torch.Tensor) -> torch.Tensor:
-    """act(gate) * up for a fused [.., 2 * inter] gate_up projection: one C pass on CPU float32 for SiLU
-    and tanh-GELU (torch makes three; the results differ in the last bits), else torch."""
+    """act(gate) * up for a fused [.., 2 * inter] gate_up projection: one C pass on CPU float32 or bfloat16
+    (computed in float32, rounded once) for SiLU and tanh-GELU (torch makes three; the results differ in the
+    last bits), else torch."""
     code = _KERNEL_ACTS.get(act)
-    on_cpu_f32 = gate_up.device.type == "cpu" and gate_up.dtype == torch.float32
-    lib = layer_kernels() if code is not None and on_cpu_f32 else None
+    on_cpu = gate_up.device.type == "cpu" and gate_up.dtype in (torch.float32, torch.bfloat16)
+    lib = layer_kernels() if code is not None and on_cpu else None
     if lib is None:
         gate, up = gate_up.chunk(2, dim=-1)
         return act(gate) * up
     gate_up = gate_up.contiguous()
     inter = gate_up.shape[-1] // 2
-    out = torch.empty(*gate_up.shape[:-1], inter)
-    lib.vq_gated_act(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter, code,
-                     torch.get_num_threads())
+    out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype)
+    kernel = lib.vq_gated_act if gate_up.dtype == torch.float32 else lib.vq_gated_act_bf16
+    kernel(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter, code, torch.get_num_threads())
     return out

@@ -7,18 +7,39 @@ from torch import nn
 from vllmpy.kernels import layer_kernels
 
 
-def _rms_norm_kernel(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """The C kernel's float32 RMSNorm on CPU (one call instead of seven torch ops; it rounds the mean
-    of squares once, so it can differ from torch's float sum in the last bit), else None."""
-    lib = layer_kernels()
-    if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or scale.dtype != torch.float32
-            or scale.shape != x.shape[-1:]):
+def _rms_norm_kernel(x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor | None:
+    """The C kernel's RMSNorm on CPU float32 or bfloat16 x (one call instead of seven torch ops; it rounds
+    the mean of squares once, so it can differ from torch's float sum in the last bit), else None."""
+    scale = norm.kernel_scale()
+    w_bf16 = kernel_weight_flag(norm, scale, x)
+    lib = layer_kernels() if w_bf16 is not None else None
+    if lib is None:
         return None
     x = x.contiguous()
     y = torch.empty_like(x)
     dim = x.shape[-1]
-    lib.vq_rms_norm(x.data_ptr(), scale.data_ptr(), y.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads())
+    rows, threads = x.numel() // dim, torch.get_num_threads()
+    if x.dtype == torch.float32:
+        lib.vq_rms_norm(x.data_ptr(), scale.data_ptr(), y.data_ptr(), rows, dim, norm.eps, threads)
+    else:
+        lib.vq_rms_norm_bf16(x.data_ptr(), scale.data_ptr(), w_bf16, y.data_ptr(), rows, dim, norm.eps, threads)
     return y
+
+
+def kernel_weight_flag(norm: nn.Module, scale: torch.Tensor | None, x: torch.Tensor) -> int | None:
+    """How the C kernels take `norm`'s scale on CPU x [.., dim]: 0 a float32 scale, 1 a bf16 one multiplying
+    the normalized row rounded to bf16 (bf16 x: Llama's weight; Gemma's float32 1 + weight multiplies
+    first); None where no kernel fits (another dtype or device, a scale that would promote the output)."""
+    if (scale is None or x.device.type != "cpu" or not isinstance(norm, RMSNorm) or scale.dim() != 1
+            or scale.shape[0] != x.shape[-1]):
+        return None
+    if x.dtype == torch.float32:
+        return 0 if scale.dtype == torch.float32 else None
+    if x.dtype != torch.bfloat16:
+        return None
+    if scale.dtype == torch.bfloat16:
+        return 1
+    return 0 if scale.dtype == torch.float32 and isinstance(norm, GemmaRMSNorm) else None
 
 
 def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,7 +63,7 @@ class RMSNorm(nn.Module):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _rms_norm_kernel(x, self.weight, self.eps)
+        y = _rms_norm_kernel(x, self)
         if y is not None:
             return y
         return self.weight * _normalized(x, self.eps).to(x.dtype)
@@ -64,41 +85,40 @@ class GemmaRMSNorm(RMSNorm):
         return scale if scale is not None else 1.0 + self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.kernel_scale()
-        y = _rms_norm_kernel(x, scale, self.eps)
+        y = _rms_norm_kernel(x, self)
         if y is not None:
             return y
-        return (_normalized(x, self.eps) * scale).to(x.dtype)
+        return (_normalized(x, self.eps) * self.kernel_scale()).to(x.dtype)
 
 
 def add_norm(x: torch.Tensor, branch: torch.Tensor, branch_norm: nn.Module,
              next_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x + branch_norm(branch), next_norm of that): a sandwich layer's residual step. One C call for float32
-    RMSNorms on CPU at one eps (at decode it replaces two or three ops of a few hundred floats each, mostly
-    dispatch), bit-identical to the modules; else the modules. next_norm None: the second is None."""
+    or bfloat16 RMSNorms on CPU at one eps and one scale dtype (at decode it replaces two or three ops of a
+    few hundred floats each, mostly dispatch), bit-identical to the modules' kernels; else the modules.
+    next_norm None: the second is None."""
     lib = layer_kernels()
-    fused = (lib is not None and isinstance(branch_norm, RMSNorm) and x.device.type == "cpu"
-             and x.dtype == branch.dtype == torch.float32 and x.shape == branch.shape
+    fused = (lib is not None and isinstance(branch_norm, RMSNorm) and x.dtype == branch.dtype
+             and x.shape == branch.shape
              and (next_norm is None or isinstance(next_norm, RMSNorm) and next_norm.eps == branch_norm.eps))
     first = branch_norm.kernel_scale() if fused else None
     second = next_norm.kernel_scale() if fused and next_norm is not None else None
-    dim = x.shape[-1]
-    if (first is None or not _kernel_scale_fits(first, dim)
-            or next_norm is not None and not _kernel_scale_fits(second, dim)):
+    w_bf16 = kernel_weight_flag(branch_norm, first, x) if fused else None
+    if w_bf16 is None or next_norm is not None and kernel_weight_flag(next_norm, second, x) != w_bf16:
         x = x + branch_norm(branch)
         return x, None if next_norm is None else next_norm(x)
     x, branch = x.contiguous(), branch.contiguous()
     x_out = torch.empty_like(x)
     y = torch.empty_like(x) if second is not None else None
-    lib.vq_add_rms_norm(x.data_ptr(), branch.data_ptr(), first.data_ptr(), None if y is None else second.data_ptr(),
-                        x_out.data_ptr(), None if y is None else y.data_ptr(), x.numel() // dim, dim, branch_norm.eps,
-                        torch.get_num_threads())
+    dim = x.shape[-1]
+    args = (None if y is None else y.data_ptr(), x.numel() // dim, dim, branch_norm.eps, torch.get_num_threads())
+    second_ptr = None if y is None else second.data_ptr()
+    if x.dtype == torch.float32:
+        lib.vq_add_rms_norm(x.data_ptr(), branch.data_ptr(), first.data_ptr(), second_ptr, x_out.data_ptr(), *args)
+    else:
+        lib.vq_add_rms_norm_bf16(x.data_ptr(), branch.data_ptr(), first.data_ptr(), second_ptr, w_bf16,
+                                 x_out.data_ptr(), *args)
     return x_out, y
-
-
-def _kernel_scale_fits(scale: torch.Tensor, dim: int) -> bool:
-    """What the C kernels take as a norm's scale: float32 [dim] (no comprehension per call: ~2 us at decode)."""
-    return scale.dtype == torch.float32 and scale.dim() == 1 and scale.shape[0] == dim
 
 
 class LayerNorm(nn.Module):

@@ -39,11 +39,13 @@ KERNEL_MAX_ROWS = 10
 # 4.04x, tiled 2.71 / 2.46 / 1.39 / 1.26x; Q6_K 640 x 2048: row dots 0.82 / 1.19 / 2.78 / 3.93x, tiled 2.18 /
 # 2.05 / 1.24 / 1.08x).
 SMALL_MIN_ROWS, SMALL_MAX_ROWS = 4, 32
-# Most values decoded at once (16 MiB of float32): a layer's weight up to this is one matmul whose result is
-# returned as is; a larger one (an LM head) goes in slabs of a power-of-two row count, which oneDNN
-# multiplies ~6% faster than odd counts (64 x 262k x 640 head: 58 vs 62 ms; 4 MiB slabs, copied into
-# the result per layer, cost ~0.9 ms more per layer at 64 rows).
-_SLAB_FLOATS = 1 << 22
+# Most values decoded at once (4 MiB of float32): a layer's weight up to this is one matmul whose result is
+# returned as is; a larger one goes in slabs of a power-of-two row count, which oneDNN multiplies ~6% faster
+# than odd counts (64 x 262k x 640 head: 58 vs 62 ms). 16 MiB slabs (the scratch, oneDNN's copy of each slab
+# and the slab's product) kept ~10% of an int4 0.5B model's file more RSS through a 256-token prefill at no
+# speed gain there (benchmarks/quantized_formats.py: GPTQ asym 1.36 -> 1.26x the file, prefill 1.04x); at
+# 11-128 rows on builds without the tiled kernel 4 MiB slabs cost ~0.9 ms more per layer at 64 rows.
+_SLAB_FLOATS = 1 << 20
 # Up to this many activation rows the decoded weight is the matmul's first operand (`_transposed`).
 _TRANSPOSED_MAX_ROWS = 128
 _scratch = threading.local()

@@ -13,7 +13,7 @@ from torch import nn
 
 from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.kernels import layer_kernels
-from vllmpy.layers.norm import RMSNorm
+from vllmpy.layers.norm import RMSNorm, kernel_weight_flag
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -193,22 +193,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
 
 def _rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
                  norm: RMSNorm | None) -> torch.Tensor | None:
-    """The C kernel's rotation (bit-identical to the torch path, one call instead of six ops) for float32
-    CPU tensors whose heads are contiguous within a token (q/k views of the fused qkv output are), with the
-    q/k norm first when it is an RMSNorm of one float32 [head_dim] scale; else None."""
+    """The C kernel's rotation (one call instead of six ops) for float32 (bit-identical to the torch path) or
+    bfloat16 (float32 products rounded once) CPU tensors whose heads are contiguous within a token (q/k views
+    of the fused qkv output are), with the q/k norm first when it is an RMSNorm the kernels take; else None."""
     lib = layer_kernels()
-    if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or cos.dtype != torch.float32
-            or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]):
+    if (lib is None or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16)
+            or cos.dtype != x.dtype or sin.dtype != x.dtype or x.dim() != 3 or x.stride(2) != 1
+            or x.stride(1) != x.shape[2]):
         return None
-    scale = None
+    scale, w_bf16 = None, 0
     if norm is not None:
         scale = norm.kernel_scale() if isinstance(norm, RMSNorm) else None
-        if scale is None or scale.dtype != torch.float32 or scale.shape != x.shape[-1:]:
+        w_bf16 = kernel_weight_flag(norm, scale, x)
+        if w_bf16 is None:
             return None
     cos, sin = cos.contiguous(), sin.contiguous()
     tokens, heads, dim = x.shape
-    out = torch.empty(tokens, heads, dim)
-    lib.vq_rope(x.data_ptr(), x.stride(0), None if scale is None else scale.data_ptr(),
-                norm.eps if norm is not None else 0.0, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads,
-                dim, cos.shape[-1], int(interleaved), torch.get_num_threads())
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype)
+    head_norm = (None if scale is None else scale.data_ptr(), norm.eps if norm is not None else 0.0)
+    rope = (cos.data_ptr(), sin.data_ptr(), out.data_ptr(), tokens, heads, dim, cos.shape[-1], int(interleaved),
+            torch.get_num_threads())
+    if x.dtype == torch.float32:
+        lib.vq_rope(x.data_ptr(), x.stride(0), *head_norm, *rope)
+    else:
+        lib.vq_rope_bf16(x.data_ptr(), x.stride(0), head_norm[0], w_bf16, head_norm[1], *rope)
     return out

@@ -109,6 +109,9 @@ class ArchSpec:
     # nextn_predict_layers): an architecture that has them loads those blocks (for `mtp` speculation),
     # every other one skips them.
     mtp_names: Mapping[str, str] = field(default_factory=dict)
+    # GGUF leaf.kind of 3-D per-head weights [heads, out, in] kept packed (as one [heads * out, in] matrix) for a
+    # per-head kernel: deepseek2's attn_k_b / attn_v_b, MLA's absorbed up-projections.
+    head_stacks: frozenset[str] = frozenset()
 
 
 def _llama_config(meta: ArchMetadata, config: dict, tensors: Mapping[str, np.ndarray]) -> dict:
@@ -600,6 +603,7 @@ ARCHS: dict[str, ArchSpec] = {
         tensor_flags={"e_score_correction_bias": "exp_probs_b.bias"},  # read and dropped by _deepseek2_config
         extra_config=_deepseek2_config,
         mtp_names=NEXTN_NAMES,  # GLM-4.7-Flash's converter keeps its MTP block (DeepSeek-V3's drops it)
+        head_stacks=frozenset({"attn_k_b.weight", "attn_v_b.weight"}),
     ),
     "minicpm3": ArchSpec(
         hf_architecture="MiniCPM3ForCausalLM",

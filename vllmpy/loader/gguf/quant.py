@@ -26,9 +26,12 @@ def hf_shape(tensor: GGUFTensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
-def to_packed(tensor: GGUFTensor) -> PackedTensor | None:
-    """The tensor's blocks, uncopied, where the CPU kernels compute on them; else None."""
+def to_packed(tensor: GGUFTensor, head_stack: bool = False) -> PackedTensor | None:
+    """The tensor's blocks, uncopied, where the CPU kernels compute on them; else None. A `head_stack`
+    [heads, out, in] (deepseek2's attn_k_b / attn_v_b) comes as one [heads * out, in] matrix of its rows."""
     shape = hf_shape(tensor)
+    if head_stack and len(shape) == 3:
+        shape = (shape[0] * shape[1], shape[2])
     if tensor.tensor_type == Q.F32 or not PackedTensor.packable(int(tensor.tensor_type), shape):
         return None
     return PackedTensor.from_numpy(tensor.data, int(tensor.tensor_type), shape)

@@ -36,6 +36,7 @@ class _Planned:
     name: str  # HF name
     transform: Transform | None
     parts: tuple[str, ...]  # the HF names it yields: (name,), or the equal row blocks of a split tensor
+    head_stack: bool = False  # a 3-D per-head weight kept packed as one matrix (ArchSpec.head_stacks)
 
 
 class GGUFCheckpoint:
@@ -83,7 +84,7 @@ class GGUFCheckpoint:
                 for expert, part in enumerate(stack):
                     yield expert_name(planned.name, expert), part
                 continue
-            packed = to_packed(planned.tensor) if keep_packed else None
+            packed = to_packed(planned.tensor, planned.head_stack) if keep_packed else None
             if packed is not None and transform is not None:
                 packed = transform.packed(packed, self._config)
             if packed is not None:
@@ -147,7 +148,7 @@ def _plan(arch: str, spec: ArchSpec, tensors: list[GGUFTensor], config: dict) ->
         if transform is not None:
             transform.check(tensor.name, hf_shape(tensor), config)
         parts = _split_names(spec, name, tensor)
-        plan.append(_Planned(tensor, name.hf, transform, parts))
+        plan.append(_Planned(tensor, name.hf, transform, parts, name.key in spec.head_stacks))
     return plan
 
 
