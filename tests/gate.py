@@ -98,7 +98,7 @@ class CompactLogits:
 
 
 def compare(result: GateResult, label: str, ours: list[int], our_logprobs: list[float],
-            ref: list[int], ref_logits: torch.Tensor) -> None:
+            ref: list[int], ref_logits: torch.Tensor, logprob_tol: float = LOGPROB_TOL) -> None:
     ref_logprobs = torch.log_softmax(ref_logits, dim=-1)
     for step, (a, b) in enumerate(zip(ours, ref)):
         if a != b:
@@ -111,7 +111,7 @@ def compare(result: GateResult, label: str, ours: list[int], our_logprobs: list[
             return
         err = abs(our_logprobs[step] - float(ref_logprobs[step, b]))
         result.max_logprob_err = max(result.max_logprob_err, err)
-        if err > LOGPROB_TOL:
+        if err > logprob_tol:
             result.failures.append(f"{label}: step {step}: logprob {our_logprobs[step]:.5f} vs {float(ref_logprobs[step, b]):.5f}")
             return
     if len(ours) != len(ref):  # a request that failed (or stopped early) must not pass as strict
@@ -120,7 +120,8 @@ def compare(result: GateResult, label: str, ours: list[int], our_logprobs: list[
     result.strict += 1
 
 
-def gate_llm(llm, reference, prompts: list[str], max_tokens: int, label: str) -> GateResult:
+def gate_llm(llm, reference, prompts: list[str], max_tokens: int, label: str,
+             logprob_tol: float = LOGPROB_TOL) -> GateResult:
     """Greedy `max_tokens` on every prompt with vllmpy and with the transformers `reference`, compared."""
     from vllmpy import SamplingParams
 
@@ -130,7 +131,8 @@ def gate_llm(llm, reference, prompts: list[str], max_tokens: int, label: str) ->
         ref_tokens, ref_logits = reference_greedy(reference, output.prompt_token_ids, max_tokens)
         completion = output.outputs[0]
         logprobs = [pos[t].logprob for pos, t in zip(completion.logprobs, completion.token_ids)]
-        compare(result, f"{label} {output.prompt!r}", completion.token_ids, logprobs, ref_tokens, ref_logits)
+        compare(result, f"{label} {output.prompt!r}", completion.token_ids, logprobs, ref_tokens, ref_logits,
+                logprob_tol)
     print(f"{label} {result.summary()}")
     return result
 

@@ -13,6 +13,13 @@ from tests.gate import LOGPROB_TOL, NEAR_TIE_GAP, gate_llm
 PROMPTS = ["The capital of France is", "def add(a, b):", "The three primary colors are",
            "Water boils at a temperature of"]
 MAX_TOKENS = 32
+# Real quantized weights on the packed kernels: prompts of 4-32 tokens prefill through the small-batch kernel,
+# which rounds activations to int16 per 32-value block (error <= 2^-14 of the block's largest |x|; FEATURES
+# load.gguf-packed), and Gemma 3's outlier activations make that visible in the logprobs: measured on an AMD
+# Zen 4 host (AVX-512 VNNI, no AMX) 1.47e-3 vs transformers and 1.00e-3 vs our dequantized path at
+# 'def add(a, b):' step 8, tokens identical (both within 1e-3 on an Intel AMX host; with the small-batch
+# kernel off, within 1e-3 here too). The tiny fp32 architecture gates keep tests.gate's 1e-3.
+PACKED_LOGPROB_TOL = 2 * LOGPROB_TOL
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +64,14 @@ def test_packed_path_matches_the_dequantized_path(llm, monkeypatch):
                 top2 = sorted((lp.logprob for lp in b.logprobs[step].values()), reverse=True)[:2]
                 assert top2[0] - top2[1] < NEAR_TIE_GAP, f"{ours.prompt!r} step {step}: {x} vs {y}"
                 break
-            assert abs(a.logprobs[step][x].logprob - b.logprobs[step][y].logprob) < LOGPROB_TOL
+            assert abs(a.logprobs[step][x].logprob - b.logprobs[step][y].logprob) < PACKED_LOGPROB_TOL
         else:
             strict += 1
     print(f"packed vs dequantized: strict={strict}/{len(PROMPTS)}")
 
 
 def test_default_model_greedy_matches_transformers(llm, reference):
-    result = gate_llm(llm, reference, PROMPTS, MAX_TOKENS, "default model")
+    result = gate_llm(llm, reference, PROMPTS, MAX_TOKENS, "default model", PACKED_LOGPROB_TOL)
     assert not result.failures, "\n".join(result.failures)
     assert result.strict + result.near_tie == len(PROMPTS)
 
