@@ -243,6 +243,20 @@ static inline void dec_q8z(const uint8_t *b, float *y) { dec_zero8(rd_h(b), rd_i
 static inline void dec_q4zf(const uint8_t *b, float *y) { dec_zero4(rd_f(b), b[4], b + 8, y); }
 /* Q8ZF (204): d (f32), zero (i16), 2 pad, qs[32] (i8). */
 static inline void dec_q8zf(const uint8_t *b, float *y) { dec_zero8(rd_f(b), rd_i16(b + 4), (const int8_t *)(b + 8), y); }
+/* Q4Z128 (205): d (f16), zero (u8, as Q4Z), qs[64]: a whole group of 128 values, 67 bytes (0.523 bytes a weight
+ * vs Q4Z's 0.594; a checkpoint's own int4 groups of 128 take 0.520). The codes are laid out as Q4_K's: byte
+ * 32 h + l holds value 64 h + l (low nibble) and 64 h + 32 + l (high), so k45_pair builds two 32-value sub-blocks
+ * from one 32-byte load (widen, mask, shift), where Q4_0's 16-byte runs take a broadcast, a widening, a shift
+ * and a mask for each. */
+static inline void dec_q4z128(const uint8_t *b, float *y) {
+    const float d = rd_h(b);
+    const int z = b[2];
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++) {
+            y[64 * h + l] = d * (float)((int)(b[3 + 32 * h + l] & 0xF) - z);
+            y[64 * h + 32 + l] = d * (float)((int)(b[3 + 32 * h + l] >> 4) - z);
+        }
+}
 
 /* float8 e4m3fn (bias 7, no infinities, S.1111.111 NaN) as float: exact. */
 static inline float e4m3_to_f(uint8_t v) {
@@ -772,6 +786,46 @@ FORCE_INLINE void row_dot_q6_k(const uint8_t *row, const FixedRow *x, int rows, 
     for (int r = 0; r < rows; r++) out[r] = fv_sum(fv_add(acc0[r], acc1[r]));
 }
 
+/* Q4Z128's codes less the block's zero, |q - z| <= 16: exact, and the dots need no min term. */
+static inline qv qv_less_zero(qv q, int z) {
+#ifdef FX_512
+    return _mm512_sub_epi16(q, _mm512_set1_epi16((short)z));
+#else
+    const __m256i zv = _mm256_set1_epi16((short)z);
+    const qv r = {_mm256_sub_epi16(q.a, zv), _mm256_sub_epi16(q.b, zv)};
+    return r;
+#endif
+}
+
+/* Q4Z128: value = d * (q - z) over four 32-value sub-blocks, each scaled by d times x's block scale. Rows as in
+ * row_dot32. */
+FORCE_INLINE void row_dot_q4z128(const uint8_t *row, const FixedRow *x, int rows, int64_t nb, float *out) {
+    fv acc0[SHARE], acc1[SHARE];
+    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = fv_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 67 * b;
+        const __m128 d = _mm_set1_ps(rd_h(blk));
+        const int16_t *xq[SHARE];
+        float scale[SHARE][4]; /* d * x's block scale, per sub-block */
+        for (int r = 0; r < rows; r++) {
+            xq[r] = x[r].q + 64 * 4 * b;
+            _mm_storeu_ps(scale[r], _mm_mul_ps(d, _mm_loadu_ps(x[r].scale + 4 * b)));
+        }
+        __asm__("" : "+m"(scale)); /* reread from memory: a broadcast load per sub-block */
+        for (int h = 0; h < 2; h++) {
+            qv lo, hi;
+            k45_pair(blk + 3 + 32 * h, 0, h, &lo, &hi);
+            lo = qv_less_zero(lo, blk[2]);
+            hi = qv_less_zero(hi, blk[2]);
+            for (int r = 0; r < rows; r++) {
+                acc0[r] = fv_fma(scale[r][2 * h], fx_dot(lo, xq[r] + 128 * h), acc0[r]);
+                acc1[r] = fv_fma(scale[r][2 * h + 1], fx_dot(hi, xq[r] + 128 * h + 64), acc1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = fv_sum(fv_add(acc0[r], acc1[r]));
+}
+
 /* Whole-row decoders for the slab path (vq_decode_range and its bf16 twin): each block's integers
  * are built in registers as for the row dots above, converted with cvtepi32_ps, then given the
  * scalar decoder's own float operations in its order (separate mul / add / sub: nothing for the
@@ -884,14 +938,30 @@ FORCE_INLINE void fast_block_q6_k(int bf16, const uint8_t *b, void *out, int64_t
     }
 }
 
+/* dec_q4z128: d * (q - z), the zero subtracted in the integers. */
+FORCE_INLINE void fast_block_q4z128(int bf16, const uint8_t *b, void *out, int64_t i) {
+    const fv d = fv_set1(rd_h(b));
+    for (int h = 0; h < 2; h++) {
+        qv q[2];
+        k45_pair(b + 3 + 32 * h, 0, h, &q[0], &q[1]);
+        for (int s = 0; s < 2; s++) {
+            fv f[32 / FVW];
+            qv_to_ps(qv_less_zero(q[s], b[2]), f);
+            for (int c = 0; c < 32 / FVW; c++) fv_emit(bf16, out, i + 64 * h + 32 * s + FVW * c, fv_mul(d, f[c]));
+        }
+    }
+}
+
 /* Rows first .. first + n_rows of the packed [N, k] tensor into out (float or bf16), the block
  * type and output a constant per instance. */
 FORCE_INLINE void fast_row(int type, int block_bytes, int bf16, const uint8_t *row, int64_t k, void *out, int64_t at) {
-    const int block_elems = type == 12 || type == 13 || type == 14 ? QK_K : 32;
+    const int block_elems = type == 12 || type == 13 || type == 14 ? QK_K : type == 205 ? 128 : 32;
     for (int64_t b = 0; b < k / block_elems; b++) {
         const uint8_t *blk = row + b * block_bytes;
         const int64_t i = at + b * block_elems;
-        if (type == 14)
+        if (type == 205)
+            fast_block_q4z128(bf16, blk, out, i);
+        else if (type == 14)
             fast_block_q6_k(bf16, blk, out, i);
         else if (type == 12 || type == 13)
             fast_block_k45(type, bf16, blk, out, i);
@@ -919,6 +989,7 @@ static int fast_decode_range(int type, int bf16, const uint8_t *w, int64_t row_b
         return 1;
     FAST_RANGE(2, 18) FAST_RANGE(3, 20) FAST_RANGE(6, 22) FAST_RANGE(7, 24) FAST_RANGE(8, 34) FAST_RANGE(20, 18)
     FAST_RANGE(12, 144) FAST_RANGE(13, 176) FAST_RANGE(14, 210)
+    FAST_RANGE(205, 67)
 #undef FAST_RANGE
     default: return 0;
     }
@@ -951,8 +1022,10 @@ static inline int has_row_dot(int type) {
            type == 14;
 }
 
-/* Whether the few-row matmuls take the row dots for `type`: MXFP4, Q4Z, Q8Z too (row dots, no small-batch panels). */
-static inline int takes_row_dots(int type) { return has_row_dot(type) || type == 39 || type == 200 || type == 201; }
+/* Whether the few-row matmuls take the row dots for `type`: MXFP4, Q4Z, Q8Z, Q4Z128 too (no small-batch panels). */
+static inline int takes_row_dots(int type) {
+    return has_row_dot(type) || type == 39 || type == 200 || type == 201 || type == 205;
+}
 
 /* out[r] = row . x[r] for r < rows, in units of x[r].unit; each case passes a constant type and
  * block size, and the callers a constant row count, so every dot is compiled for its case (no
@@ -970,6 +1043,7 @@ FORCE_INLINE void row_dots(int type, const uint8_t *row, const FixedRow *x, int 
     case 13: row_dot_k45(13, 176, row, x, rows, k / QK_K, out); break;
     case 14: row_dot_q6_k(row, x, rows, k / QK_K, out); break;
     case 39: row_dot_mxfp4(row, x, rows, k / 32, out); break;
+    case 205: row_dot_q4z128(row, x, rows, k / 128, out); break;
     default: row_dot32(8, 34, row, x, rows, k / 32, out); break;
     }
 }
@@ -1023,6 +1097,7 @@ static void fixed_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t r0
 #define FIXED_ROWS(T) case T: fixed_rows_of(T, w, row_bytes, r0, r1, k, x, m_rows, y, ldy); break;
     FIXED_ROWS(2) FIXED_ROWS(3) FIXED_ROWS(6) FIXED_ROWS(7) FIXED_ROWS(8) FIXED_ROWS(20) FIXED_ROWS(12) FIXED_ROWS(13)
     FIXED_ROWS(14) FIXED_ROWS(39) FIXED_ROWS(200) FIXED_ROWS(201)
+    FIXED_ROWS(205)
 #undef FIXED_ROWS
     }
 }
@@ -1157,6 +1232,7 @@ DEFINE_MATMUL(q8z, dec_q8z, 32)
 DEFINE_MATMUL(f8s, dec_f8s, 32)
 DEFINE_MATMUL(q4zf, dec_q4zf, 32)
 DEFINE_MATMUL(q8zf, dec_q8zf, 32)
+DEFINE_MATMUL(q4z128, dec_q4z128, 128)
 DEFINE_MATMUL(mxfp4, dec_mxfp4, 32)
 
 typedef struct {
@@ -1174,7 +1250,7 @@ static const Format FORMATS[] = {
     {13, 256, 176, dec_q5_k, mm_q5_k},     {14, 256, 210, dec_q6_k, mm_q6_k},   {20, 32, 18, dec_iq4_nl, mm_iq4_nl},
     {23, 256, 136, dec_iq4_xs, mm_iq4_xs}, {30, 32, 64, dec_bf16, mm_bf16},
     {200, 32, 19, dec_q4z, mm_q4z},        {201, 32, 36, dec_q8z, mm_q8z},      {202, 32, 36, dec_f8s, mm_f8s},
-    {203, 32, 24, dec_q4zf, mm_q4zf},      {204, 32, 40, dec_q8zf, mm_q8zf},
+    {203, 32, 24, dec_q4zf, mm_q4zf},      {204, 32, 40, dec_q8zf, mm_q8zf},    {205, 128, 67, dec_q4z128, mm_q4z128},
     {39, 32, 17, dec_mxfp4, mm_mxfp4},
 };
 
@@ -1309,6 +1385,7 @@ static void decode_panel(int type, const uint8_t *w, int64_t row_bytes, int64_t 
         return;
     PANEL_ROWS(2, 18) PANEL_ROWS(3, 20) PANEL_ROWS(6, 22) PANEL_ROWS(7, 24) PANEL_ROWS(8, 34) PANEL_ROWS(20, 18)
     PANEL_ROWS(12, 144) PANEL_ROWS(13, 176) PANEL_ROWS(14, 210)
+    PANEL_ROWS(205, 67)
 #undef PANEL_ROWS
     default: {
         const Format *f = find(type);
