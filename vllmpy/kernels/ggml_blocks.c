@@ -1905,6 +1905,53 @@ int vq_matmul_heads(int type, const uint8_t *w, int64_t head_bytes, int64_t row_
     return 1;
 }
 
+/* y = x W_e^T for the rows of each expert e < experts, in one call (a MoE layer's decode: one parallel region
+ * instead of one call and barrier per active expert). x: the (token, expert) assignments' rows sorted by expert,
+ * counts[e] of them for expert e, k floats each; y: their n outputs each, rows ldy floats apart. W_e: packed
+ * [n, k] of types[e] at address weights[e], rows row_bytes[e] apart. Each expert's rows take the same integer
+ * row dots as vq_matmul gives them (bit-identical); 0 (nothing written) where an active expert's type has none,
+ * it has more than max_rows (<= 64) rows, or memory ran out: the caller then takes one call per expert. */
+int vq_matmul_experts(const int32_t *types, const int64_t *weights, const int64_t *row_bytes, int64_t experts,
+                      const int64_t *counts, int64_t max_rows, int64_t n, int64_t k, const float *x, float *y,
+                      int64_t ldy, int threads) {
+#ifdef HAVE_ROW_DOT
+    int64_t rows = 0, active = 0;
+    for (int64_t e = 0; e < experts; e++) {
+        if (!counts[e]) continue;
+        if (!takes_row_dots(types[e]) || counts[e] > max_rows || counts[e] > 64) return 0;
+        rows += counts[e];
+        active++;
+    }
+    if (!active) return 1;
+    FixedRow *fx = malloc(sizeof(FixedRow) * (size_t)rows);
+    int64_t *item_expert = malloc(sizeof(int64_t) * 2 * (size_t)active);
+    uint8_t *scratch = fx && item_expert ? fixed_x(x, rows, rows, 0, k, k, fx) : 0;
+    if (!scratch) {
+        free(fx);
+        free(item_expert);
+        return 0;
+    }
+    int64_t *item_first = item_expert + active; /* each active expert and its first row */
+    for (int64_t e = 0, i = 0, first = 0; e < experts; first += counts[e], e++)
+        if (counts[e]) item_expert[i] = e, item_first[i++] = first;
+    const int64_t chunks = threads > active ? (threads + active - 1) / active : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < active * chunks; item++) {
+        const int64_t i = item / chunks, c = item % chunks, e = item_expert[i], first = item_first[i];
+        fixed_rows(types[e], (const uint8_t *)(intptr_t)weights[e], row_bytes[e], n * c / chunks,
+                   n * (c + 1) / chunks, k, fx + first, counts[e], y + first * ldy, ldy);
+    }
+    free(scratch);
+    free(item_expert);
+    free(fx);
+    return 1;
+#else
+    (void)types, (void)weights, (void)row_bytes, (void)experts, (void)counts, (void)max_rows, (void)n, (void)k, (void)x;
+    (void)y, (void)ldy, (void)threads;
+    return 0;
+#endif
+}
+
 static void pool_fill_chunk(void *ctx, int64_t c) { atomic_fetch_add((_Atomic int64_t *)ctx + c, c + 1); }
 
 /* out[c] += c + 1 for each c < chunks through the worker pool (thread_pool.h) on `threads` threads: lets the
