@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType as Q
 
 from tests.gguf.test_packed_kernels import random_blocks
 from vllmpy.layers.moe import Experts
-from vllmpy.layers.packed_experts import MAX_ROWS, PackedExperts
+from vllmpy.layers.packed_experts import MAX_ROWS, PackedExperts, takes_rows
 from vllmpy.layers.quantized import PackedTensor, packed_linear
 
 EXPERTS, HIDDEN, INTER = 8, 256, 256
@@ -58,6 +58,7 @@ def test_matmul_takes_each_experts_rows_and_declines_past_max_rows():
         if len(rows):
             assert torch.equal(y[starts[e]:starts[e + 1]], packed_linear(rows, w))
     assert table.matmul(torch.randn(MAX_ROWS + 1, HIDDEN), torch.tensor([MAX_ROWS + 1, 0, 0, 0])) is None
+    assert takes_rows(x, counts) and not takes_rows(torch.randn(MAX_ROWS + 1, HIDDEN), torch.tensor([MAX_ROWS + 1]))
 
 
 def test_no_table_where_the_loop_would_take_another_path():

@@ -19,7 +19,7 @@ from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.layers.activation import gated, get_activation
 from vllmpy.layers.dense import dense_linear
 from vllmpy.layers.linear import Linear, default_weight_loader, release
-from vllmpy.layers.packed_experts import PackedExperts
+from vllmpy.layers.packed_experts import PackedExperts, takes_rows
 from vllmpy.layers.quantized import PackedTensor, packed_linear
 
 ExpertShard = tuple[int, int | str]  # (expert, part of a fused projection)
@@ -170,7 +170,7 @@ class Experts(nn.Module):
         """Both projections of every active expert in one C call each (decode's few rows per expert), or None
         where they are not packed experts' tables or the kernel declines (then the per-expert loop)."""
         gate_up, down = self.gate_up_proj.packed_experts, self.down_proj.packed_experts
-        if gate_up is None or down is None:
+        if gate_up is None or down is None or not takes_rows(xs, counts):
             return None
         h = gate_up.matmul(xs, counts)
         return None if h is None else down.matmul(self.glu(h), counts)

@@ -20,6 +20,12 @@ from vllmpy.layers.quantized import SMALL_MIN_ROWS, PackedTensor
 MAX_ROWS = SMALL_MIN_ROWS - 1
 
 
+def takes_rows(x: torch.Tensor, counts: torch.Tensor) -> bool:
+    """Whether no expert has more than MAX_ROWS of x's rows: checked before any copy or allocation, so a prefill's
+    many rows per expert go straight to the per-expert loop."""
+    return x.shape[0] <= MAX_ROWS or int(counts.max()) <= MAX_ROWS
+
+
 @dataclass(frozen=True)
 class PackedExperts:
     """Per expert: its block type, the address of its packed [n, k] rows and their stride (the tensors stay
