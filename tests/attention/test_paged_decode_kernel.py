@@ -194,3 +194,23 @@ def test_a_missing_compiler_leaves_the_torch_path_with_one_notice(monkeypatch, c
         assert len(notices) == 1 and "torch" in notices[0]
     finally:
         kernels.attention_kernels.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_kernel_stores_the_steps_kv_as_torch_does(lib, dtype, monkeypatch):
+    """A float cache of the model's dtype takes the step's K/V (decode and prefill rows, k/v strided views of a
+    fused qkv output) inside the decode kernel's call: the cache and the output equal torch's writes first."""
+    cache, meta = make_batch(SEQ_LENS, 16, 2, 64, dtype, seed=21)
+    starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    slots = [int(meta.block_tables[r, p // 16]) * 16 + p % 16
+             for r in range(len(lens)) for p in range(lens[r] - (starts[r + 1] - starts[r]), lens[r])]
+    meta = replace(meta, slot_mapping=torch.tensor(slots))
+    qkv = torch.randn(len(slots), 8, 64, generator=torch.Generator().manual_seed(22)).to(dtype)
+    q, k, v = qkv.split_with_sizes((4, 2, 2), 1)
+    spec = spec_for(4, 2, 64, WINDOW, None)
+    assert torch_paged._kernel_writes(k, v, as_paged(cache))
+    fused_cache, torch_cache = cache.clone(), cache.clone()
+    fused = paged_attention(q, k, v, fused_cache, meta, spec)
+    monkeypatch.setattr(torch_paged, "_kernel_writes", lambda *args: False)
+    assert torch.equal(fused, paged_attention(q, k, v, torch_cache, meta, spec))
+    assert torch.equal(fused_cache, torch_cache) and not torch.equal(fused_cache, cache)

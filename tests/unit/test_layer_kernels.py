@@ -188,3 +188,28 @@ def test_gated_activation_kernel_special_values_and_fallbacks(monkeypatch: pytes
     x = torch.randn(3, 8)  # float16 and ReLU keep the torch path
     assert torch.equal(gated(F.silu, x.half()), F.silu(x[:, :4].half()) * x[:, 4:].half())
     assert torch.equal(gated(F.relu, x), F.relu(x[:, :4]) * x[:, 4:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_q_and_k_rotate_in_one_call_as_in_two(tokens: int, dtype: torch.dtype,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """apply_rotary_qk on adjacent q / k views of a fused qkv output: one kernel call, each with its own norm,
+    bit-identical to apply_rotary on each; k not after q in memory: two calls."""
+    torch.manual_seed(tokens)
+    heads, kv_heads, dim = 4, 2, 128
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, dim) * 3).to(dtype)
+    q, k, _ = qkv.split_with_sizes((heads, kv_heads, kv_heads), 1)
+    angles = torch.arange(tokens).float()[:, None] * torch.rand(dim // 2)[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q_norm, k_norm = _gemma_norm(dim), _gemma_norm(dim)
+    want = (apply_rotary(q, cos, sin, norm=q_norm), apply_rotary(k, cos, sin, norm=k_norm))
+    name = "vq_rope" if dtype == torch.float32 else "vq_rope_bf16"
+    ropes = spy_kernel(monkeypatch, rotary, name)
+    got = rotary.apply_rotary_qk(q, k, rotary.CosSin(cos, sin), q_norm, k_norm)
+    assert len(ropes) == 1 and all(torch.equal(g, w) for g, w in zip(got, want))
+    apart = rotary.apply_rotary_qk(q, k.clone(), rotary.CosSin(cos, sin), q_norm, k_norm)
+    assert len(ropes) == 3 and all(torch.equal(g, w) for g, w in zip(apart, want))
+    assert all(torch.equal(g, w) for g, w in zip(rotary.apply_rotary_qk(q, k, rotary.CosSin(cos, sin)), (
+        apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))))

@@ -1,6 +1,7 @@
 """Portable paged attention in plain torch (any device), with a C decode kernel on CPU.
 
-K/V are written into the paged cache through the slot mapping. Decode rows (one new token, or a
+K/V are written into the paged cache through the slot mapping (where the C kernel attends the decode rows of a
+float cache of the model's dtype, by the kernel, in the same call). Decode rows (one new token, or a
 speculative verification's few: each token then decodes its own causal prefix) are attended in one
 batched call: on CPU by the C kernel (vllmpy/kernels/paged_attention.c), which reads K/V in place
 through the block tables; elsewhere, or where the kernel did not build, in torch over a gathered copy
@@ -25,6 +26,8 @@ from vllmpy.layers.dense import dense_linear
 # Cache dtypes the C decode kernel reads, by its cache_dtype code.
 _KERNEL_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3,
                         torch.float8_e5m2: 4, torch.int8: 5}
+# Cache dtypes it also writes the step's K/V into (stored as the model computed them: a copy).
+_KERNEL_WRITE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache | torch.Tensor,
@@ -39,10 +42,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if not spec.causal:
         return _encoder_attention(q, k, v, meta, spec)
     kv_cache = as_paged(kv_cache)
-    k, v = kv_cache.write(k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    if meta.decode is not None:
-        _attend_decode_rows(q, kv_cache, meta, spec, out, meta.decode.token_idx, use_kernel)
+    decode = meta.decode
+    lib = _decode_kernel(q, kv_cache) if use_kernel and decode is not None else None
+    if lib is not None and _kernel_writes(k, v, kv_cache):  # the step's K/V stored as they are: in the same call
+        _kernel_decode(lib, q, kv_cache, decode, spec, out, decode.token_idx, (k, v, meta.slot_mapping))
+    else:
+        k, v = kv_cache.write(k, v, meta.slot_mapping)
+        if decode is not None:
+            _attend_decode_rows(q, kv_cache, meta, spec, out, decode.token_idx, use_kernel)
     for seq in meta.prefill.seqs if meta.prefill is not None else ():
         start, end, seq_len = seq.start, seq.end, seq.seq_len
         key_start = 0
@@ -170,27 +178,38 @@ def _decode_kernel(q: torch.Tensor, kv_cache: PagedKVCache) -> ctypes.CDLL | Non
     return attention_kernels()
 
 
-def _float32_heads(t: torch.Tensor) -> bool:
-    """Float32 [tokens, heads, dim] with each token's heads contiguous: what the kernel reads in place."""
-    return t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+def _heads_dense(t: torch.Tensor) -> bool:
+    """[tokens, heads, dim] with each token's heads contiguous (tokens at any stride): what the kernel reads."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def _kernel_writes(k: torch.Tensor, v: torch.Tensor, kv_cache: PagedKVCache) -> bool:
+    """Whether the decode kernel can store this step's k / v itself: a float cache of their dtype (a row
+    copy; fp8 / int8 caches quantize in torch) and each token's heads contiguous."""
+    return (k.dtype == kv_cache.dtype and v.dtype == k.dtype and k.dtype in _KERNEL_WRITE_DTYPES
+            and _heads_dense(k) and _heads_dense(v))
 
 
 def _kernel_decode(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: PagedKVCache, batch: DecodeBatch,
-                   spec: AttentionSpec, out: torch.Tensor, tokens: torch.Tensor) -> None:
+                   spec: AttentionSpec, out: torch.Tensor, tokens: torch.Tensor,
+                   new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """The C kernel's decode attention: q rows `tokens` (one per decode token of batch) read, the same
-    rows of out written.
+    rows of out written; `new` (k, v, slot_mapping: `_kernel_writes` holds): the step's K/V written to
+    their slots first, in the same call.
 
     Float32 q/out laid out [heads, dim] per token are used in place; otherwise (a bf16/f16 model) only
     the decode rows are gathered to float32 and the result cast back, so prefill tokens in the same
     step cost nothing here.
     """
-    in_place = _float32_heads(q) and _float32_heads(out)
+    in_place = q.dtype == torch.float32 and out.dtype == torch.float32 and _heads_dense(q) and _heads_dense(out)
     q32 = q if in_place else q[tokens].float()
     out32 = out if in_place else torch.empty(q32.shape, dtype=torch.float32)
     rows = tokens if in_place else batch.rows
     tables, seq_lens = batch.tables, batch.seq_lens
     (keys, values), scales = kv_cache.planes, kv_cache.scales  # scales: an int8 cache's, else None
     sinks = None if spec.sinks is None else spec.sinks.float().contiguous()
+    written = (None, 0, None, 0, None, 0) if new is None else (
+        new[0].data_ptr(), new[0].stride(0), new[1].data_ptr(), new[1].stride(0), new[2].data_ptr(), len(new[2]))
     status = lib.vq_paged_decode(
         q32.data_ptr(), q32.stride(0), rows.data_ptr(), keys.data_ptr(), values.data_ptr(),
         _KERNEL_CACHE_DTYPES[kv_cache.dtype], kv_cache.k_scale, kv_cache.v_scale,
@@ -198,7 +217,7 @@ def _kernel_decode(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: PagedKVCache, ba
         tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), len(rows), kv_cache.block_size, spec.num_heads,
         spec.num_kv_heads, spec.head_dim, spec.scale, spec.logit_soft_cap or 0.0,
         spec.sliding_window or 0, None if sinks is None else sinks.data_ptr(), spec.chunk_size or 0,
-        out32.data_ptr(), out32.stride(0), torch.get_num_threads())
+        out32.data_ptr(), out32.stride(0), *written, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"vq_paged_decode failed ({status})")
     if not in_place:

@@ -121,15 +121,24 @@ def _bind_blocks(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def _bind_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vq_paged_decode.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _INT, _FLOAT, _FLOAT, _PTR, _PTR, _PTR, _I64, _PTR,
-                                    _I64, _I64, _I64, _I64, _I64, _FLOAT, _FLOAT, _I64, _PTR, _I64, _PTR, _I64, _INT]
+                                    _I64, _I64, _I64, _I64, _I64, _FLOAT, _FLOAT, _I64, _PTR, _I64, _PTR, _I64,
+                                    _PTR, _I64, _PTR, _I64, _PTR, _I64, _INT]  # then the new K/V rows to write first
     lib.vq_paged_decode.restype = _INT
     return lib
 
 
+# Each loaded library and its compute kernels (the ones timed under VLLMPY_PROFILE): what a decode replay
+# records (vllmpy/layers/decode_replay.py).
+LOADED_KERNELS: list[tuple[ctypes.CDLL, tuple[str, ...]]] = []
+
+
 def _profiled(lib: ctypes.CDLL | None, kind: str, names: tuple[str, ...]) -> ctypes.CDLL | None:
-    """lib, its calls `names` timed as `kind` under VLLMPY_PROFILE=1 (vllmpy/profiling.py), untouched otherwise."""
+    """lib, its calls `names` timed as `kind` under VLLMPY_PROFILE=1 (vllmpy/profiling.py), untouched otherwise;
+    registered in LOADED_KERNELS."""
     if lib is not None and profiling.enabled():
         profiling.time_c_calls(lib, kind, names)
+    if lib is not None:
+        LOADED_KERNELS.append((lib, names))
     return lib
 
 
@@ -182,13 +191,14 @@ def attention_kernels() -> ctypes.CDLL | None:
 def _bind_layer_ops(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vq_rms_norm.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT]
     lib.vq_add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT]
-    lib.vq_rope.argtypes = [_PTR, _I64, _PTR, _FLOAT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
+    lib.vq_rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _FLOAT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
     lib.vq_row_max.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _INT]
     lib.vq_gated_act.argtypes = [_PTR, _PTR, _I64, _I64, _INT, _INT]
     lib.vq_sample_rows.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _INT]
     lib.vq_rms_norm_bf16.argtypes = [_PTR, _PTR, _INT, _PTR, _I64, _I64, _FLOAT, _INT]
     lib.vq_add_rms_norm_bf16.argtypes = [_PTR, _PTR, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _FLOAT, _INT]
-    lib.vq_rope_bf16.argtypes = [_PTR, _I64, _PTR, _INT, _FLOAT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT, _INT]
+    lib.vq_rope_bf16.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _INT, _FLOAT, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                                 _INT, _INT]
     lib.vq_gated_act_bf16.argtypes = [_PTR, _PTR, _I64, _I64, _INT, _INT]
     for fn in (lib.vq_rms_norm, lib.vq_add_rms_norm, lib.vq_rope, lib.vq_row_max, lib.vq_gated_act,
                lib.vq_sample_rows, lib.vq_rms_norm_bf16, lib.vq_add_rms_norm_bf16, lib.vq_rope_bf16,

@@ -118,10 +118,11 @@ static inline void rotate_head(const float *v, const float *c, const float *s, f
  * with 2i + 1. x may be a view with a row stride (q or k inside the fused qkv output). The products
  * and sums are torch's (x * cos + rotated * sin), so the result is bit-identical to the torch path.
  * norm_w not NULL: each head is first normalized as vq_rms_norm does with weight norm_w [dim] (q/k norm,
- * fused: at decode one call instead of two per tensor). */
-void vq_rope(const float *x, int64_t x_token_stride, const float *norm_w, float eps, const float *cos,
-             const float *sin, float *out, int64_t tokens, int64_t heads, int64_t dim, int64_t rot, int interleaved,
-             int threads) {
+ * fused: at decode one call instead of two per tensor). norm_w2 not NULL: heads from norm_heads on take it
+ * instead (q's heads, then k's right after them in x: both tensors' norms and rotations in one call). */
+void vq_rope(const float *x, int64_t x_token_stride, const float *norm_w, const float *norm_w2, int64_t norm_heads,
+             float eps, const float *cos, const float *sin, float *out, int64_t tokens, int64_t heads, int64_t dim,
+             int64_t rot, int interleaved, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens * heads * dim > 65536)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + t * rot, *s = sin + t * rot;
@@ -130,7 +131,7 @@ void vq_rope(const float *x, int64_t x_token_stride, const float *norm_w, float 
             float *o = out + (t * heads + h) * dim;
             float normed[norm_w ? dim : 1];  /* the normalized head, when norm_w is given */
             if (norm_w) {
-                norm_row(v, norm_w, normed, dim, eps);
+                norm_row(v, norm_w2 && h >= norm_heads ? norm_w2 : norm_w, normed, dim, eps);
                 v = normed;
             }
             rotate_head(v, c, s, o, dim, rot, interleaved, 0);
@@ -139,10 +140,11 @@ void vq_rope(const float *x, int64_t x_token_stride, const float *norm_w, float 
 }
 
 /* vq_rope on bf16 x, cos, sin and out: each head (normalized first and rounded to bf16, as the norm
- * module's output, when norm_w is given; w_bf16 as in norm_row_bf16) rotated as torch's bf16 ops do. */
-void vq_rope_bf16(const uint16_t *x, int64_t x_token_stride, const void *norm_w, int w_bf16, float eps,
-                  const uint16_t *cos, const uint16_t *sin, uint16_t *out, int64_t tokens, int64_t heads, int64_t dim,
-                  int64_t rot, int interleaved, int threads) {
+ * module's output, when norm_w is given; w_bf16 as in norm_row_bf16, for both weights) rotated as torch's
+ * bf16 ops do. */
+void vq_rope_bf16(const uint16_t *x, int64_t x_token_stride, const void *norm_w, const void *norm_w2,
+                  int64_t norm_heads, int w_bf16, float eps, const uint16_t *cos, const uint16_t *sin, uint16_t *out,
+                  int64_t tokens, int64_t heads, int64_t dim, int64_t rot, int interleaved, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens * heads * dim > 65536)
     for (int64_t t = 0; t < tokens; t++) {
         float c[rot], s[rot], v[dim], o[dim];
@@ -154,7 +156,7 @@ void vq_rope_bf16(const uint16_t *x, int64_t x_token_stride, const void *norm_w,
             const uint16_t *head = x + t * x_token_stride + h * dim;
             uint16_t normed[norm_w ? dim : 1];
             if (norm_w) {
-                norm_row_bf16(head, norm_w, w_bf16, normed, dim, eps);
+                norm_row_bf16(head, norm_w2 && h >= norm_heads ? norm_w2 : norm_w, w_bf16, normed, dim, eps);
                 head = normed;
             }
             for (int64_t i = 0; i < dim; i++) v[i] = bf16_load(head[i]);

@@ -5,6 +5,9 @@
  * walks the block table instead and reads every K/V row where it lies. The query heads sharing a KV
  * head (GQA) are attended together, so each K/V row is loaded (and converted from bf16/f16, or
  * decoded from fp8 / int8, into one L1-resident row buffer) once; no widened copy of the cache exists.
+ * A float cache of the model's dtype also takes the step's new K/V rows in the same call: no torch
+ * index_copy_ per layer (dearer in dispatch than the copy at decode), so a decode layer is kernel calls alone
+ * and can be replayed as them (vllmpy/layers/decode_replay.py).
  *
  * Quantized caches (vllmpy/attention/kv_storage.py): fp8 e4m3 / e5m2 values times a per-tensor scale
  * (one for K, one for V); int8 values times an fp16 scale per `group` values of a row, read from a
@@ -304,21 +307,41 @@ static int64_t choose_splits(int64_t pairs, int64_t longest, int threads, int pa
     return splits < most ? splits : (most > 1 ? most : 1);
 }
 
+/* This step's K/V rows new_k / new_v [new_tokens, kv_heads, dim] (token strides in elements, heads contiguous
+ * within a token), already in the cache's element type, copied to their cache slots: the write that
+ * precedes the attention of the same layer, in the same call. */
+static void write_rows(char *k_cache, char *v_cache, const char *new_k, int64_t k_stride, const char *new_v,
+                       int64_t v_stride, const int64_t *slots, int64_t new_tokens, int64_t row, int64_t elem_bytes,
+                       int threads) {
+    const size_t bytes = (size_t)(row * elem_bytes);
+#pragma omp parallel for num_threads(threads) schedule(static) if (new_tokens * row > 262144)
+    for (int64_t t = 0; t < new_tokens; t++) {
+        memcpy(k_cache + slots[t] * (int64_t)bytes, new_k + t * k_stride * elem_bytes, bytes);
+        memcpy(v_cache + slots[t] * (int64_t)bytes, new_v + t * v_stride * elem_bytes, bytes);
+    }
+}
+
 /* out[tokens[b], h] = softmax(scale * q[tokens[b], h] . K_b^T [, sinks[h]]) V_b for each decode row b and query
  * head h, where K_b/V_b are KV head h / (heads / kv_heads) at the row's visible positions, read
  * through its block table. cache_dtype: 0 float32, 1 bfloat16, 2 float16, 3 fp8 e4m3, 4 fp8 e5m2 (times
  * k_scale / v_scale), 5 int8 (times k_scales / v_scales: fp16, one per group = gcd(dim, 32) values); q and
- * out are float32 with [heads, dim] contiguous per token. Returns 0, or -1 for an unknown cache dtype or an
- * int8 cache without scales. */
-int vq_paged_decode(const float *q, int64_t q_stride, const int64_t *tokens, const void *k_cache, const void *v_cache,
+ * out are float32 with [heads, dim] contiguous per token. new_tokens > 0 (float caches only): first this step's
+ * K/V rows are written to their slots (write_rows), so every row also sees its own new key. Returns 0, or -1
+ * for an unknown cache dtype, an int8 cache without scales or new rows for a quantized cache. */
+int vq_paged_decode(const float *q, int64_t q_stride, const int64_t *tokens, void *k_cache, void *v_cache,
                     int cache_dtype, float k_scale, float v_scale, const void *k_scales, const void *v_scales,
                     const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
                     int64_t rows, int64_t block_size, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
                     float soft_cap, int64_t window, const float *sinks, int64_t chunk, float *out,
-                    int64_t out_stride, int threads) {
+                    int64_t out_stride, const void *new_k, int64_t new_k_stride, const void *new_v,
+                    int64_t new_v_stride, const int64_t *slots, int64_t new_tokens, int threads) {
     static const int64_t elem_bytes[] = {4, 2, 2, 1, 1, 1};
     if (cache_dtype < CACHE_F32 || cache_dtype > CACHE_INT8) return -1;
     if (cache_dtype == CACHE_INT8 && (!k_scales || !v_scales)) return -1;
+    if (new_tokens > 0 && cache_dtype > CACHE_F16) return -1;
+    if (new_tokens > 0)
+        write_rows(k_cache, v_cache, new_k, new_k_stride, new_v, new_v_stride, slots, new_tokens, kv_heads * dim,
+                   elem_bytes[cache_dtype], threads);
     int64_t q_group = 32;
     while (dim % q_group) q_group /= 2; /* gcd(dim, 32), as the writer groups */
     const float widen = cache_dtype == CACHE_FP8_E4M3 ? 256.0f : 1.0f; /* e4m3 widens 2^-8 low */

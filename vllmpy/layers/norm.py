@@ -10,36 +10,20 @@ from vllmpy.kernels import layer_kernels
 def _rms_norm_kernel(x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor | None:
     """The C kernel's RMSNorm on CPU float32 or bfloat16 x (one call instead of seven torch ops; it rounds
     the mean of squares once, so it can differ from torch's float sum in the last bit), else None."""
-    scale = norm.kernel_scale()
-    w_bf16 = kernel_weight_flag(norm, scale, x)
-    lib = layer_kernels() if w_bf16 is not None else None
+    operand = norm.kernel_operand(x)
+    lib = layer_kernels() if operand is not None else None
     if lib is None:
         return None
-    x = x.contiguous()
+    (scale, w_bf16), x = operand, x.contiguous()
     y = torch.empty_like(x)
     dim = x.shape[-1]
-    rows, threads = x.numel() // dim, torch.get_num_threads()
-    if x.dtype == torch.float32:
-        lib.vq_rms_norm(x.data_ptr(), scale.data_ptr(), y.data_ptr(), rows, dim, norm.eps, threads)
+    if w_bf16 is None:
+        lib.vq_rms_norm(x.data_ptr(), scale.data_ptr(), y.data_ptr(), x.numel() // dim, dim, norm.eps,
+                        torch.get_num_threads())
     else:
-        lib.vq_rms_norm_bf16(x.data_ptr(), scale.data_ptr(), w_bf16, y.data_ptr(), rows, dim, norm.eps, threads)
+        lib.vq_rms_norm_bf16(x.data_ptr(), scale.data_ptr(), w_bf16, y.data_ptr(), x.numel() // dim, dim, norm.eps,
+                             torch.get_num_threads())
     return y
-
-
-def kernel_weight_flag(norm: nn.Module, scale: torch.Tensor | None, x: torch.Tensor) -> int | None:
-    """How the C kernels take `norm`'s scale on CPU x [.., dim]: 0 a float32 scale, 1 a bf16 one multiplying
-    the normalized row rounded to bf16 (bf16 x: Llama's weight; Gemma's float32 1 + weight multiplies
-    first); None where no kernel fits (another dtype or device, a scale that would promote the output)."""
-    if (scale is None or x.device.type != "cpu" or not isinstance(norm, RMSNorm) or scale.dim() != 1
-            or scale.shape[0] != x.shape[-1]):
-        return None
-    if x.dtype == torch.float32:
-        return 0 if scale.dtype == torch.float32 else None
-    if x.dtype != torch.bfloat16:
-        return None
-    if scale.dtype == torch.bfloat16:
-        return 1
-    return 0 if scale.dtype == torch.float32 and isinstance(norm, GemmaRMSNorm) else None
 
 
 def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,16 +35,29 @@ def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
 class RMSNorm(nn.Module):
     """Llama-style: normalize in fp32, cast back, then scale by `weight`."""
 
+    # How the C kernels take the scale, by (x dtype, scale dtype): None the float32 kernel (float32 x and
+    # scale), else the bf16 kernel's w_bf16: 1 a bf16 scale multiplying the normalized row rounded to bf16
+    # (Llama's weight in a bf16 model). Pairs not listed (float16, a scale that would promote) keep torch.
+    KERNEL_FLAGS: dict[tuple[torch.dtype, torch.dtype], int | None] = {
+        (torch.float32, torch.float32): None, (torch.bfloat16, torch.bfloat16): 1}
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
     def kernel_scale(self) -> torch.Tensor:
-        """What the C kernels multiply the normalized row by (they take it only in float32); the fused paths
-        (`add_norm`, rotary's q/k norm) read it instead of calling forward, so a subclass that changes the
-        scale overrides this."""
+        """What the C kernels multiply the normalized row by; the fused paths (`add_norm`, rotary's q/k norm)
+        read it instead of calling forward, so a subclass that changes the scale overrides this."""
         return self.weight
+
+    def kernel_operand(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None] | None:
+        """(scale, w_bf16 per KERNEL_FLAGS) for the C kernels on CPU x [.., dim], or None where none fits."""
+        scale = self.kernel_scale()
+        key = (x.dtype, scale.dtype)
+        if key not in self.KERNEL_FLAGS or not x.is_cpu or scale.dim() != 1 or scale.shape[0] != x.shape[-1]:
+            return None
+        return scale, self.KERNEL_FLAGS[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _rms_norm_kernel(x, self)
@@ -73,6 +70,9 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma-style: scale by (1 + weight) in fp32, then cast. The fp32 scale is computed once the
     weight is loaded (`finish_loading`)."""
 
+    # bf16 x: the float32 1 + weight multiplies before the one rounding (w_bf16 0).
+    KERNEL_FLAGS = {**RMSNorm.KERNEL_FLAGS, (torch.bfloat16, torch.float32): 0}
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__(dim, eps)
         self.register_buffer("scale", None, persistent=False)
@@ -81,7 +81,7 @@ class GemmaRMSNorm(RMSNorm):
         self.scale = 1.0 + self.weight.float()
 
     def kernel_scale(self) -> torch.Tensor:
-        scale = self.scale  # one lookup: a buffer is read through nn.Module.__getattr__ (~0.5 us)
+        scale = self._buffers["scale"]  # not self.scale: nn.Module.__getattr__ costs ~0.6 us, ~6 reads a layer
         return scale if scale is not None else 1.0 + self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,27 +97,29 @@ def add_norm(x: torch.Tensor, branch: torch.Tensor, branch_norm: nn.Module,
     or bfloat16 RMSNorms on CPU at one eps and one scale dtype (at decode it replaces two or three ops of a
     few hundred floats each, mostly dispatch), bit-identical to the modules' kernels; else the modules.
     next_norm None: the second is None."""
-    lib = layer_kernels()
-    fused = (lib is not None and isinstance(branch_norm, RMSNorm) and x.dtype == branch.dtype
-             and x.shape == branch.shape
-             and (next_norm is None or isinstance(next_norm, RMSNorm) and next_norm.eps == branch_norm.eps))
-    first = branch_norm.kernel_scale() if fused else None
-    second = next_norm.kernel_scale() if fused and next_norm is not None else None
-    w_bf16 = kernel_weight_flag(branch_norm, first, x) if fused else None
-    if w_bf16 is None or next_norm is not None and kernel_weight_flag(next_norm, second, x) != w_bf16:
+    first = second = None
+    if isinstance(branch_norm, RMSNorm) and x.dtype == branch.dtype and x.shape == branch.shape:
+        first = branch_norm.kernel_operand(x)
+        if next_norm is not None and first is not None:
+            second = next_norm.kernel_operand(x) if isinstance(next_norm, RMSNorm) else None
+            if second is None or second[1] != first[1] or next_norm.eps != branch_norm.eps:
+                first = None
+    lib = layer_kernels() if first is not None else None
+    if lib is None:
         x = x + branch_norm(branch)
         return x, None if next_norm is None else next_norm(x)
     x, branch = x.contiguous(), branch.contiguous()
     x_out = torch.empty_like(x)
-    y = torch.empty_like(x) if second is not None else None
+    y = None if second is None else torch.empty_like(x)
     dim = x.shape[-1]
-    args = (None if y is None else y.data_ptr(), x.numel() // dim, dim, branch_norm.eps, torch.get_num_threads())
-    second_ptr = None if y is None else second.data_ptr()
-    if x.dtype == torch.float32:
-        lib.vq_add_rms_norm(x.data_ptr(), branch.data_ptr(), first.data_ptr(), second_ptr, x_out.data_ptr(), *args)
+    args = (None, None) if y is None else (second[0].data_ptr(), y.data_ptr())
+    shape = (x.numel() // dim, dim, branch_norm.eps, torch.get_num_threads())
+    if first[1] is None:
+        lib.vq_add_rms_norm(x.data_ptr(), branch.data_ptr(), first[0].data_ptr(), args[0], x_out.data_ptr(), args[1],
+                            *shape)
     else:
-        lib.vq_add_rms_norm_bf16(x.data_ptr(), branch.data_ptr(), first.data_ptr(), second_ptr, w_bf16,
-                                 x_out.data_ptr(), *args)
+        lib.vq_add_rms_norm_bf16(x.data_ptr(), branch.data_ptr(), first[0].data_ptr(), args[0], first[1],
+                                 x_out.data_ptr(), args[1], *shape)
     return x_out, y
 
 

@@ -81,6 +81,12 @@ class PackedTensor:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    @functools.cached_property
+    def kernel_args(self) -> tuple[int, int, int, int, int]:
+        """(block type, address, bytes per row, rows, cols): what every matmul kernel takes first, read once
+        (a weight's bytes never move; at decode the five lookups cost ~1 us a call)."""
+        return self.ggml_type, self.data.data_ptr(), self.data.shape[1], self.shape[0], self.shape[1]
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows at `ids` (any shape), bit-identical to gguf's dequantize of those rows."""
         flat = ids.reshape(-1).to(torch.int64).contiguous()
@@ -200,12 +206,13 @@ def _by_segment(kernel: Callable[..., int | None], x: torch.Tensor, segments: Se
     """y = x @ W^T by a C kernel called per segment, each writing its columns of the float32 y; None when the
     kernel declines one (returns 0: the tiled or small-batch kernel out of memory, or the small-batch kernel
     for a block type without its integer panels; vq_matmul returns nothing, never declines)."""
-    threads, column = torch.get_num_threads(), 0
+    threads, rows, n, column = torch.get_num_threads(), x.shape[0], y.shape[1], 0
+    x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
     for segment in segments:
-        if kernel(segment.ggml_type, segment.data.data_ptr(), segment.data.shape[1], segment.shape[0], x.shape[1],
-                  x.data_ptr(), x.shape[0], y.data_ptr() + 4 * column, y.shape[1], threads) == 0:
+        args = segment.kernel_args
+        if kernel(*args, x_ptr, rows, y_ptr + 4 * column, n, threads) == 0:
             return None
-        column += segment.shape[0]
+        column += args[3]
     return y
 
 

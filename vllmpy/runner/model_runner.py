@@ -20,6 +20,7 @@ from vllmpy.attention.layer import PagedAttention
 from vllmpy.engine.kv_cache_spec import KVCacheConfig
 from vllmpy.engine.request import RequestKind
 from vllmpy.engine.schedule_types import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
+from vllmpy.layers.decode_replay import DecodeReplay
 from vllmpy.layers.pooler import Pooler, token_type_inputs
 from vllmpy.layers.recurrent_state import RecurrentMetadata, RecurrentState
 from vllmpy.lora.manager import LoRAManager
@@ -98,6 +99,10 @@ class ModelRunner:
                  pooler: Pooler | None = None, lora: LoRAManager | None = None) -> None:
         self.model = model
         self.lora = lora  # --enable-lora: maps each step's rows to adapter slots
+        if lora is not None:  # adapters attach as requests name them and follow each step's mapping: no replays
+            for module in model.modules():
+                if isinstance(getattr(module, "decode_replay", None), DecodeReplay):
+                    module.decode_replay.enabled = False
         self.device = device
         self.dtype = dtype
         self.block_size = kv_cache_config.block_size
