@@ -4,6 +4,8 @@ hooks or meets a kernel answering otherwise is run as modules."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -97,10 +99,21 @@ def test_views_only_names_the_first_op_that_computes():
             x[:, :2].t()
         assert mode.computed is None and any(t is y for t in mode.held)
         for compute in (lambda: x + 1, lambda: x.index_copy_(0, index, row), lambda: x.sum().item(),
-                        lambda: x.t().contiguous(), lambda: x.to(torch.float64)):
+                        lambda: x.t().contiguous(), lambda: x.to(torch.float64), lambda: x.__iadd__(1),
+                        lambda: x.__setitem__(0, 1.0), lambda: torch.add(x, 1, out=x), lambda: x.abs().max().item()):
             with _ViewsOnly() as mode:
                 compute()
             assert mode.computed is not None
+
+
+def test_recording_imports_no_compiler():
+    """The check runs as a torch function mode: a dispatch mode's first use imports torch._dynamo and sympy
+    (~70 MB of RSS, which the quantized checkpoints' RSS bound would pay)."""
+    code = ("import sys, torch\nfrom vllmpy.layers.decode_replay import _ViewsOnly\nx = torch.zeros(4)\n"
+            "with _ViewsOnly():\n    torch.empty(3), x.view(2, 2), x + 1\n"
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[-2] == "[]", out.stdout
 
 
 def test_lora_turns_replays_off():

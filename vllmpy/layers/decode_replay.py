@@ -8,7 +8,7 @@ its layer-op kernels and attention together at batch 1) is the same every step.
 
 A step is recorded by running the layers on buffers the plan owns (the step's inputs copied in) while every
 call of the loaded kernel libraries (vllmpy/kernels LOADED_KERNELS) is logged with its arguments, and a torch
-dispatch mode keeps every tensor the step allocates alive and checks that torch itself computed nothing: only
+function mode keeps every tensor the step allocates alive and checks that torch itself computed nothing: only
 allocations and ops whose outputs alias their inputs (views, no-op casts) may run, since a replay repeats the
 kernel calls alone. A later step of the same shape copies its inputs into those buffers and repeats the logged
 calls: the same kernels on the same addresses, so the results are bit-identical to running the modules, and
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from vllmpy import kernels
@@ -41,8 +41,14 @@ MAX_ROWS = 32
 MAX_PLAN_BYTES = 64 << 20  # a step whose activations outgrow this is not kept
 MAX_PLANS = 2  # recorded shapes kept, the least recently replayed dropped first
 _MIN_TABLE_COLUMNS = 64  # block-table width a plan's own tables start at (a power of two: outgrown, re-recorded)
-_ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
-                torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default)
+_ALLOCATIONS = (torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty)
+# Calls returning no tensor that read no values: a property's getter (shape, dtype, device), sizes, addresses.
+_METADATA = frozenset(("__get__", "size", "stride", "dim", "numel", "nelement", "storage_offset", "data_ptr",
+                       "is_contiguous", "untyped_storage", "element_size", "__len__", "is_floating_point",
+                       "get_device"))
+# Operators that write their left operand (in-place methods are the ones named with a trailing underscore).
+_WRITES = frozenset(f"__{op}__" for op in ("setitem", "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv",
+                                           "imod", "ipow", "iand", "ior", "ixor", "ilshift", "irshift"))
 
 # (hidden states, position inputs, KV caches, per-layer metadata) -> hidden states: the layer loop.
 Layers = Callable[[torch.Tensor, dict, Sequence, Sequence], torch.Tensor]
@@ -259,28 +265,41 @@ def _logged_kernels(calls: list[tuple[Callable[..., object], tuple, object]]) ->
             setattr(lib, name, kernel)
 
 
-class _ViewsOnly(TorchDispatchMode):
-    """Holds every tensor torch makes while a step is recorded, and names the first op that computed values
-    (`computed`): anything but an allocation, or an op whose tensor outputs are not views of its inputs."""
+class _ViewsOnly(TorchFunctionMode):
+    """Holds every tensor torch makes while a step is recorded (until one computes), and names the first torch function that computed
+    values (`computed`): anything but an allocation, a metadata query, or a function whose tensor outputs are
+    all views of its inputs. A function mode, not a dispatch mode: entering torch's Python dispatch imports
+    torch._dynamo (and sympy: ~70 MB, ~1 s) on first use, while a function mode sees the same calls one level up
+    (a Python-composed op such as F.linear counts as its one call, and computes)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.held: list[torch.Tensor] = []
         self.computed: str | None = None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.held += outputs
-        if self.computed is None and func not in _ALLOCATIONS and not _aliases(func, args, kwargs, outputs):
-            self.computed = str(func)
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.computed is None:
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if _views_or_allocates(func, args, kwargs, outputs):
+                self.held += outputs
+            else:  # no plan now: the step's tensors may go as the modules drop them
+                self.computed = getattr(func, "__qualname__", str(func))
+                self.held.clear()
         return out
 
 
-def _aliases(func: torch._ops.OpOverload, args: tuple, kwargs: dict | None, outputs: list[torch.Tensor]) -> bool:
-    """Whether the op only viewed its inputs: it writes none of them and every output (one at least: a Python
-    number read out of a tensor is a decision a replay would not retake) shares an input's storage."""
-    if not outputs or any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+def _views_or_allocates(func: Callable[..., object], args: tuple, kwargs: dict, outputs: list[torch.Tensor]) -> bool:
+    """Whether the call left every value as it was and decided nothing from one: an allocation, a metadata query
+    (shapes, strides, addresses: not values), or an op that writes no input (no trailing-underscore method, no
+    out=, no item or in-place operator assignment) and whose every tensor output shares an input's storage."""
+    name = getattr(func, "__name__", "")
+    if func in _ALLOCATIONS:
+        return True
+    if not outputs:
+        return name in _METADATA
+    if (name.endswith("_") and not name.endswith("__")) or name in _WRITES or "out" in kwargs:
         return False
     storages = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
     return all(t.untyped_storage().data_ptr() in storages for t in outputs)
