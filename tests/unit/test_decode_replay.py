@@ -23,6 +23,14 @@ def llm():
     return LLM(dtype="float32", num_blocks=256, max_model_len=1024, enable_prefix_caching=False)
 
 
+@pytest.fixture(scope="module")
+def smollm2_llm(smollm2_gguf_path):
+    """A Llama-family stack: its pre-norm residual adds are kernel calls too (`add_norm` without a branch norm)."""
+    from vllmpy import LLM
+    return LLM(model=smollm2_gguf_path, dtype="float32", num_blocks=256, max_model_len=1024,
+               enable_prefix_caching=False)
+
+
 def _replay(llm) -> DecodeReplay:
     return llm.engine.core.model.model.decode_replay
 
@@ -40,8 +48,9 @@ def _run(llm, seed: int) -> list[tuple[list[int], list]]:
             for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_replayed_steps_equal_the_modules_bit_for_bit(llm, seed, monkeypatch):
+@pytest.mark.parametrize("model,seed", [("llm", 0), ("llm", 1), ("llm", 2), ("smollm2_llm", 0)])
+def test_replayed_steps_equal_the_modules_bit_for_bit(model, seed, monkeypatch, request):
+    llm = request.getfixturevalue(model)
     monkeypatch.setattr(decode_replay, "_MIN_TABLE_COLUMNS", 1)  # tables outgrown every power of two: re-recorded
     replay = _replay(llm)
     replay.plans.clear()

@@ -106,6 +106,24 @@ def test_add_norm_is_one_kernel_call_bit_identical_to_the_modules(rows: int, mon
     assert torch.equal(norm.add_norm(x, branch, post, other_eps)[1], other_eps(want_x)) and len(calls) == 2
 
 
+@pytest.mark.parametrize("rows", [1, 150])
+def test_pre_norm_residual_add_is_one_kernel_call_bit_identical_to_torch(rows: int,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pre-norm layer's step (branch_norm None): x + branch, then the next norm; or the add alone."""
+    torch.manual_seed(rows)
+    x, branch = torch.randn(rows, 640) * 30, torch.randn(rows, 640)
+    pre = RMSNorm(640, eps=1e-5)
+    pre.weight.data = torch.randn(640)
+    calls = spy_kernel(monkeypatch, norm, "vq_add_rms_norm")
+    got_x, got_y = norm.add_norm(x, branch, None, pre)
+    only_x, none = norm.add_norm(x, branch, None)
+    assert len(calls) == 2
+    assert torch.equal(got_x, x + branch) and torch.equal(got_y, pre(x + branch))
+    assert torch.equal(only_x, x + branch) and none is None
+    assert torch.equal(norm.add_norm(x.double(), branch.double(), None)[0], x.double() + branch.double())  # torch
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("tokens", [1, 7])
 def test_rope_kernel_with_the_head_norm_equals_norm_then_rope(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(tokens)

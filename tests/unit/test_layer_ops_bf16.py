@@ -85,6 +85,15 @@ def test_add_norm_bf16_is_bit_identical_to_the_modules(lib: ctypes.CDLL, make_no
         assert int(ulps(got_x, reference).max()) <= 1
 
 
+def test_pre_norm_residual_add_bf16_is_bit_identical_to_torch(lib: ctypes.CDLL) -> None:
+    torch.manual_seed(4)
+    x, branch = (torch.randn(5, 640) * 30).to(BF16), torch.randn(5, 640).to(BF16)
+    pre = _llama(640)
+    got_x, got_y = norm.add_norm(x, branch, None, pre)
+    assert torch.equal(got_x, x + branch) and torch.equal(got_y, pre(x + branch))
+    assert torch.equal(norm.add_norm(x, branch, None)[0], x + branch)
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rot", [256, 192])  # 192 of 256: partial rotary passes the rest through
 def test_rope_bf16_is_bit_identical_to_torchs_bf16_ops(lib: ctypes.CDLL, interleaved: bool, rot: int,

@@ -65,8 +65,12 @@ void vq_add_rms_norm_bf16(const uint16_t *x, const uint16_t *branch, const void 
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim > 65536)
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *xo = x_out + r * dim;
-        norm_row_bf16(branch + r * dim, w_branch, w_bf16, xo, dim, eps);
-        for (int64_t i = 0; i < dim; i++) xo[i] = bf16_store(bf16_load(x[r * dim + i]) + bf16_load(xo[i]));
+        const uint16_t *b = branch + r * dim;
+        if (w_branch) {
+            norm_row_bf16(b, w_branch, w_bf16, xo, dim, eps);
+            b = xo;
+        }
+        for (int64_t i = 0; i < dim; i++) xo[i] = bf16_store(bf16_load(x[r * dim + i]) + bf16_load(b[i]));
         if (w_next) norm_row_bf16(xo, w_next, w_bf16, y + r * dim, dim, eps);
     }
 }
@@ -76,16 +80,21 @@ void vq_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t
     for (int64_t r = 0; r < rows; r++) norm_row(x + r * dim, w, y + r * dim, dim, eps);
 }
 
-/* A sandwich layer's residual step in one pass: x_out = x + norm(branch) * w_branch, then (w_next not
- * NULL) y = norm(x_out) * w_next, the next branch's input. The same float operations as the norm kernel
- * and torch's add, so the results are bit-identical to those three calls. */
+/* A residual step in one pass: x_out = x + norm(branch) * w_branch (a sandwich layer's post-norm; w_branch
+ * NULL: x + branch, a pre-norm layer's add), then (w_next not NULL) y = norm(x_out) * w_next, the next
+ * branch's input. The same float operations as the norm kernel and torch's add, so the results are
+ * bit-identical to those calls. */
 void vq_add_rms_norm(const float *x, const float *branch, const float *w_branch, const float *w_next, float *x_out,
                      float *y, int64_t rows, int64_t dim, float eps, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim > 65536)
     for (int64_t r = 0; r < rows; r++) {
         float *xo = x_out + r * dim;
-        norm_row(branch + r * dim, w_branch, xo, dim, eps);
-        for (int64_t i = 0; i < dim; i++) xo[i] = x[r * dim + i] + xo[i];
+        const float *b = branch + r * dim;
+        if (w_branch) {
+            norm_row(b, w_branch, xo, dim, eps);
+            b = xo;
+        }
+        for (int64_t i = 0; i < dim; i++) xo[i] = x[r * dim + i] + b[i];
         if (w_next) norm_row(xo, w_next, y + r * dim, dim, eps);
     }
 }

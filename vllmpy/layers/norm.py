@@ -91,36 +91,41 @@ class GemmaRMSNorm(RMSNorm):
         return (_normalized(x, self.eps) * self.kernel_scale()).to(x.dtype)
 
 
-def add_norm(x: torch.Tensor, branch: torch.Tensor, branch_norm: nn.Module,
+def add_norm(x: torch.Tensor, branch: torch.Tensor, branch_norm: nn.Module | None,
              next_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(x + branch_norm(branch), next_norm of that): a sandwich layer's residual step. One C call for float32
-    or bfloat16 RMSNorms on CPU at one eps and one scale dtype (at decode it replaces two or three ops of a
-    few hundred floats each, mostly dispatch), bit-identical to the modules' kernels; else the modules.
+    """(x + branch_norm(branch), next_norm of that): a layer's residual step -- a sandwich layer's post-norm,
+    add and next pre-norm, or (branch_norm None) a pre-norm layer's add and next norm. One C call for float32
+    or bfloat16 x with RMSNorms on CPU at one eps and one scale dtype (at decode it replaces two or three ops
+    of a few hundred floats each, mostly dispatch, and leaves a decode step nothing but kernel calls:
+    `layers/decode_replay.py`), bit-identical to the modules' kernels and torch's add; else the modules.
     next_norm None: the second is None."""
-    first = second = None
-    if isinstance(branch_norm, RMSNorm) and x.dtype == branch.dtype and x.shape == branch.shape:
-        first = branch_norm.kernel_operand(x)
-        if next_norm is not None and first is not None:
-            second = next_norm.kernel_operand(x) if isinstance(next_norm, RMSNorm) else None
-            if second is None or second[1] != first[1] or next_norm.eps != branch_norm.eps:
-                first = None
-    lib = layer_kernels() if first is not None else None
+    norms = [norm for norm in (branch_norm, next_norm) if norm is not None]
+    operands = [norm.kernel_operand(x) if isinstance(norm, RMSNorm) else None for norm in norms]
+    fits = (x.dtype == branch.dtype and x.shape == branch.shape and x.is_cpu and x.dtype in _ADD_KERNEL_DTYPES
+            and None not in operands and len({flag for _, flag in operands}) <= 1
+            and len({norm.eps for norm in norms}) <= 1)
+    lib = layer_kernels() if fits else None
     if lib is None:
-        x = x + branch_norm(branch)
+        x = x + (branch if branch_norm is None else branch_norm(branch))
         return x, None if next_norm is None else next_norm(x)
     x, branch = x.contiguous(), branch.contiguous()
     x_out = torch.empty_like(x)
-    y = None if second is None else torch.empty_like(x)
+    y = None if next_norm is None else torch.empty_like(x)
+    scales = [operand[0].data_ptr() for operand in operands]
+    w_branch = None if branch_norm is None else scales[0]
+    w_next = None if next_norm is None else scales[-1]
     dim = x.shape[-1]
-    args = (None, None) if y is None else (second[0].data_ptr(), y.data_ptr())
-    shape = (x.numel() // dim, dim, branch_norm.eps, torch.get_num_threads())
-    if first[1] is None:
-        lib.vq_add_rms_norm(x.data_ptr(), branch.data_ptr(), first[0].data_ptr(), args[0], x_out.data_ptr(), args[1],
-                            *shape)
+    shape = (x.numel() // dim, dim, norms[0].eps if norms else 0.0, torch.get_num_threads())
+    y_ptr = None if y is None else y.data_ptr()
+    if x.dtype == torch.float32:
+        lib.vq_add_rms_norm(x.data_ptr(), branch.data_ptr(), w_branch, w_next, x_out.data_ptr(), y_ptr, *shape)
     else:
-        lib.vq_add_rms_norm_bf16(x.data_ptr(), branch.data_ptr(), first[0].data_ptr(), args[0], first[1],
-                                 x_out.data_ptr(), args[1], *shape)
+        lib.vq_add_rms_norm_bf16(x.data_ptr(), branch.data_ptr(), w_branch, w_next,
+                                 operands[0][1] if operands else 0, x_out.data_ptr(), y_ptr, *shape)
     return x_out, y
+
+
+_ADD_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class LayerNorm(nn.Module):

@@ -148,7 +148,11 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
             return x + self.self_attn(h, cos_sin, kv_cache, meta) + self.mlp(h)
         m = self.residual_multiplier
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta) * m
+        h = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        if m == 1.0:  # the adds as kernel calls where the norms have them
+            x, h = add_norm(x, h, None, self.post_attention_layernorm)
+            return add_norm(x, self.mlp(h), None)[0]
+        x = x + h * m
         return x + self.mlp(self.post_attention_layernorm(x)) * m
 
 
