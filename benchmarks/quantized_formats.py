@@ -60,6 +60,7 @@ CONFIGS: dict[str, dict | str | None] = {
     "GPTQ int4 g128 asym": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": False},
     "AWQ int4 g128": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
     "CT W4A16 g128": _ct("pack-quantized", _INT4),
+    "CT W4A16 g128 asym": _ct("pack-quantized", {**_INT4, "symmetric": False}),
     "CT W8A16 channel": _ct("pack-quantized", {"num_bits": 8, "type": "int", "symmetric": True,
                                                    "strategy": "channel"}),
     "GGUF Q8_0": "gguf:Q8_0",
@@ -121,8 +122,8 @@ def _quantized(config: dict, w: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"weight": codes, "weight_scale_inv" if block else "weight_scale": scale}
     if method == "compressed-tensors":
         scheme = config["config_groups"]["group_0"]["weights"]
-        bits, group = scheme["num_bits"], scheme.get("group_size", -1)
-        return ref.ct_packed_tensors(*ref.quantize(w, bits, group, sym=True), bits, sym=True)
+        bits, group, sym = scheme["num_bits"], scheme.get("group_size", -1), scheme["symmetric"]
+        return ref.ct_packed_tensors(*ref.quantize(w, bits, group, sym), bits, sym)
     q, zeros, scales = ref.quantize(w, config["bits"], config["group_size"], sym=config.get("sym", False))
     if method == "awq":
         return ref.awq_tensors(q, zeros, scales)

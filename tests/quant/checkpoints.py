@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.quant import reference as ref
-from tests.tiny_models import make_tiny_checkpoint
+from tests.tiny_models import _base, make_tiny_checkpoint
 
 _QUANTIZED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$")
 _CT_IGNORE = ["lm_head", "re:.*mlp.gate$"]
@@ -28,10 +28,15 @@ CONFIGS = {
     "gptq-int4-g32-act-order": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False,
                                 "checkpoint_format": "gptq"},
     "gptq-int8-channel": {"quant_method": "gptq", "bits": 8, "group_size": -1, "desc_act": False, "sym": True},
+    "gptq-int4-g128-asym": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": False,
+                            "checkpoint_format": "gptq"},
     "awq-int4-g64": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm",
                      "modules_to_not_convert": None},
+    "awq-int4-g128": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
     "ct-w4a16-asym-g32": _ct("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": False,
                                                 "strategy": "group", "group_size": 32}),
+    "ct-w4a16-asym-g128": _ct("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": False,
+                                                 "strategy": "group", "group_size": 128}),
     "ct-w8a16-channel": _ct("pack-quantized", {"num_bits": 8, "type": "int", "symmetric": True,
                                                "strategy": "channel"}),
     "ct-w8a8-int": _ct("int-quantized", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
@@ -44,13 +49,20 @@ CONFIGS = {
 }
 
 
+def _wide_llama(vocab: int):
+    """The tiny Llama with hidden 128 and intermediate 256: every linear's input a whole group of 128 (or two)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**_base(vocab), "hidden_size": 128, "intermediate_size": 256})
+
+
 def quantize_module(fmt: str, w: torch.Tensor, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The module's tensors (names without the module prefix) and the reference dequantized weight."""
     g = torch.Generator().manual_seed(seed)
+    config = CONFIGS[fmt]
     if fmt.startswith("gptq"):
-        bits, group = (4, 32) if "int4" in fmt else (8, -1)
-        sym = bits == 8
-        perm = torch.randperm(w.shape[1], generator=g) if "act-order" in fmt else torch.arange(w.shape[1])
+        bits, group, sym = config["bits"], config["group_size"], config["sym"]
+        perm = torch.randperm(w.shape[1], generator=g) if config["desc_act"] else torch.arange(w.shape[1])
         q_perm, zeros, scales = ref.quantize(w[:, perm], bits, group, sym)
         q = torch.empty_like(q_perm)
         q[:, perm] = q_perm
@@ -59,10 +71,11 @@ def quantize_module(fmt: str, w: torch.Tensor, seed: int) -> tuple[dict[str, tor
         t = ref.gptq_tensors(q, zeros, scales, bits, g_idx, v1=True)
         return t, ref.gptq_dequantize(t, bits, v1=True)
     if fmt.startswith("awq"):
-        t = ref.awq_tensors(*ref.quantize(w, 4, 64, sym=False))
+        t = ref.awq_tensors(*ref.quantize(w, 4, config["group_size"], sym=False))
         return t, ref.awq_dequantize(t)
-    if fmt in ("ct-w4a16-asym-g32", "ct-w8a16-channel"):
-        bits, group, sym = (4, 32, False) if "w4" in fmt else (8, -1, True)
+    if config.get("format") == "pack-quantized":
+        weights = config["config_groups"]["group_0"]["weights"]
+        bits, group, sym = weights["num_bits"], weights.get("group_size", -1), weights["symmetric"]
         t = ref.ct_packed_tensors(*ref.quantize(w, bits, group, sym), bits, sym)
         return t, ref.ct_int_dequantize(t, bits)
     if fmt == "ct-w8a8-int":
@@ -113,8 +126,12 @@ def _write_back(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def make_quantized_checkpoint(arch: str, fmt: str, tokenizer_dir: str, out: Path) -> torch.nn.Module:
-    """Write `arch` quantized as `fmt` into `out`; return the transformers model on the dequantized weights."""
-    model = make_tiny_checkpoint(arch, tokenizer_dir, out)
+    """Write `arch` quantized as `fmt` into `out`; return the transformers model on the dequantized weights.
+    The group-128 formats (`-g128`) take the wider Llama (`_wide_llama`), the hidden 64 of the others being less
+    than a group."""
+    if "-g128" in fmt and arch != "LlamaForCausalLM":
+        raise ValueError(f"{fmt}: the group-128 formats are written for LlamaForCausalLM only")
+    model = make_tiny_checkpoint(arch, tokenizer_dir, out, _wide_llama if "-g128" in fmt else None)
     for f in out.glob("*.safetensors"):
         f.unlink()
     state, tensors = _split_experts({k: v.detach().clone() for k, v in model.state_dict().items()}), {}

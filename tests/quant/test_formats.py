@@ -8,7 +8,7 @@ import torch
 
 from tests.quant import reference as ref
 from vllmpy.layers.quantized import packed_linear
-from vllmpy.loader.quantization.blocks import F8S, Q4_0, Q4Z, Q4ZF, Q8_0, Q8Z, Q8ZF
+from vllmpy.loader.quantization.blocks import F8S, Q4_0, Q4Z, Q4Z128, Q4ZF, Q8_0, Q8Z, Q8ZF
 from vllmpy.loader.quantization.config import AWQ, FP8, GPTQ, NAIVE_INT, PACKED, Scheme
 from vllmpy.loader.quantization.formats import read_module
 
@@ -28,6 +28,16 @@ def _codes(bits: int, groups: int, sym: bool, seed: int = 0):
 def _read(tensors: dict[str, torch.Tensor], scheme: Scheme):
     named = {f"m.{k}": v for k, v in tensors.items()}
     return read_module("m", scheme, named.__getitem__, named.__contains__)
+
+
+def _int_type(bits: int, group: int, sym: bool) -> int:
+    """The block an integer case repacks into (fp16 scales): 4-bit zero points in groups of a multiple of 128
+    take Q4Z128."""
+    if sym:
+        return Q4_0 if bits == 4 else Q8_0
+    if bits == 4:
+        return Q4Z128 if (IN if group == -1 else group) % 128 == 0 else Q4Z
+    return Q8Z
 
 
 def _check(packed, expected: torch.Tensor, ggml_type: int) -> None:
@@ -51,28 +61,29 @@ def test_gptq(bits, group, sym, v1):
     tensors = ref.gptq_tensors(q, zeros, scales, bits, None, v1)
     expected = ref.gptq_dequantize(tensors, bits, v1)
     scheme = Scheme(GPTQ, bits=bits, group_size=group, symmetric=sym, gptq_v1_zeros=v1)
-    _check(_read(tensors, scheme), expected, {(4, True): Q4_0, (8, True): Q8_0, (4, False): Q4Z,
-                                              (8, False): Q8Z}[(bits, sym)])
+    _check(_read(tensors, scheme), expected, _int_type(bits, group, sym))
 
 
-def test_gptq_act_order_permutes_columns():
+@pytest.mark.parametrize("group", [64, 128])
+def test_gptq_act_order_permutes_columns(group):
     """desc_act: g_idx assigns columns to groups out of order; the repack sorts columns by group and the
     matmul permutes the activation the same way."""
-    q, zeros, scales = _codes(4, IN // 64, False)
+    q, zeros, scales = _codes(4, IN // group, False)
     perm = torch.randperm(IN, generator=torch.Generator().manual_seed(1))
     g_idx = torch.empty(IN, dtype=torch.int64)
-    g_idx[perm] = torch.arange(IN) // 64
+    g_idx[perm] = torch.arange(IN) // group
     tensors = ref.gptq_tensors(q, zeros, scales, 4, g_idx, v1=True)
-    packed = _read(tensors, Scheme(GPTQ, bits=4, group_size=64, symmetric=False, gptq_v1_zeros=True))
+    packed = _read(tensors, Scheme(GPTQ, bits=4, group_size=group, symmetric=False, gptq_v1_zeros=True))
     assert packed.input_perm is not None
-    _check(packed, ref.gptq_dequantize(tensors, 4, v1=True), Q4Z)
+    _check(packed, ref.gptq_dequantize(tensors, 4, v1=True), _int_type(4, group, False))
 
 
-@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("group", [32, 128, -1])
 def test_awq(group):
-    q, zeros, scales = _codes(4, IN // group, False)
+    q, zeros, scales = _codes(4, 1 if group == -1 else IN // group, False)
     tensors = ref.awq_tensors(q, zeros, scales)
-    _check(_read(tensors, Scheme(AWQ, bits=4, group_size=group, symmetric=False)), ref.awq_dequantize(tensors), Q4Z)
+    _check(_read(tensors, Scheme(AWQ, bits=4, group_size=group, symmetric=False)), ref.awq_dequantize(tensors),
+           _int_type(4, group, False))
 
 
 @pytest.mark.parametrize("bits,group,sym", [(4, 32, True), (4, 128, False), (4, -1, True), (8, 64, False),
@@ -81,16 +92,17 @@ def test_compressed_tensors_pack_quantized(bits, group, sym):
     q, zeros, scales = _codes(bits, 1 if group == -1 else IN // group, sym)
     tensors = ref.ct_packed_tensors(q, zeros, scales.bfloat16() if sym else scales, bits, sym)
     scheme = Scheme(PACKED, bits=bits, group_size=group, symmetric=sym)
-    _check(_read(tensors, scheme), ref.ct_int_dequantize(tensors, bits),
-           {(4, True): Q4_0, (8, True): Q8_0, (4, False): Q4Z, (8, False): Q8Z}[(bits, sym)])
+    _check(_read(tensors, scheme), ref.ct_int_dequantize(tensors, bits), _int_type(bits, group, sym))
 
 
-@pytest.mark.parametrize("bits,sym,ggml_type", [(8, True, Q8ZF), (4, False, Q4ZF)])
-def test_fp32_scales_that_fp16_cannot_hold_keep_float32_blocks(bits, sym, ggml_type):
-    """A scale fp16 rounds (fp32 from llm-compressor) cannot go in Q8_0 or Q4Z: Q8ZF / Q4ZF hold it exactly."""
-    q, zeros, scales = _codes(bits, IN // 32, sym)
+@pytest.mark.parametrize("bits,sym,group,ggml_type", [(8, True, 32, Q8ZF), (4, False, 32, Q4ZF),
+                                                      (4, False, 128, Q4ZF)])
+def test_fp32_scales_that_fp16_cannot_hold_keep_float32_blocks(bits, sym, group, ggml_type):
+    """A scale fp16 rounds (fp32 from llm-compressor) cannot go in Q8_0, Q4Z or Q4Z128: Q8ZF / Q4ZF hold it
+    exactly."""
+    q, zeros, scales = _codes(bits, IN // group, sym)
     tensors = ref.ct_packed_tensors(q, zeros, scales.float() * (1 + 2 ** -20), bits, sym)
-    _check(_read(tensors, Scheme(PACKED, bits=bits, group_size=32, symmetric=sym)),
+    _check(_read(tensors, Scheme(PACKED, bits=bits, group_size=group, symmetric=sym)),
            ref.ct_int_dequantize(tensors, bits), ggml_type)
 
 

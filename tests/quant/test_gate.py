@@ -1,13 +1,14 @@
 """Gate: a tiny model in each quantized format, computed on its packed blocks, greedy 32 tokens token for
 token (or near-tie) against transformers fp32 on the reference-dequantized weights; chosen logprobs within
-1e-3. Llama for every format, Qwen2 (qkv bias, tied head) and Qwen3-MoE (per-expert quantized experts)
-for some."""
+1e-3. Llama for every format (the group-128 ones on a wider Llama, through Q4Z128 blocks), Qwen2 (qkv bias,
+tied head) and Qwen3-MoE (per-expert quantized experts) for some."""
 from __future__ import annotations
 
 import pytest
 
 from tests.gate import gate_llm
 from tests.quant.checkpoints import CONFIGS, make_quantized_checkpoint
+from vllmpy.loader.quantization.blocks import Q4Z128
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 32
@@ -25,6 +26,8 @@ def test_quantized_greedy_matches_transformers(arch, fmt, smollm2_tokenizer_dir,
     packed = [m for m in llm.engine.core.model.modules() if getattr(m, "packed", None) is not None
               or len(getattr(m, "segments", [])) > 1]
     assert packed, "no linear layer kept its weight packed"
+    if "-g128" in fmt:  # zero points in groups of 128: every linear on the group-wide blocks
+        assert {s.ggml_type for m in packed for s in getattr(m, "segments", None) or [m.packed]} == {Q4Z128}
     if "Moe" in arch:
         experts = [m for m in llm.engine.core.model.modules() if hasattr(m, "packed_parts")]
         assert experts and all(m.packed is not None for m in experts), "MoE experts were not kept packed"

@@ -1,7 +1,8 @@
 """Loading a quantized checkpoint never holds a dense copy: the peak RSS that its quantized layers add is at
 most 1.3x their share of the file plus their share of the KV pool (16 blocks of 16 tokens). Measured in child processes as the
 difference between a 1-layer and a 9-layer GPTQ int4 checkpoint of one shape (same tokenizer, embeddings
-and interpreter), so the interpreter's own memory cancels."""
+and interpreter), so the interpreter's own memory cancels; and from the first weight read through a short
+generate for fp8 and AWQ int4 checkpoints with a bf16 embedding."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -95,9 +97,26 @@ print("peak", rss("VmHWM:"))
 """
 
 
-def _write_fp8(out: Path, layers: int, tokenizer_dir: str) -> int:
-    """An fp8 per-tensor Qwen2 (tied head) with a bf16 embedding of the tokenizer's whole vocabulary, the
-    dense table being most of the file as in a 0.5B model; returns the file size."""
+QUANT_CONFIGS = {"fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+                 "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}}
+
+
+def _linear(quant: str, rows: int, cols: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """One linear's tensors (names without the module prefix): fp8 per tensor, or AWQ int4 with random codes
+    and zeros (group 128: Q4Z128 blocks)."""
+    if quant == "fp8":
+        codes = torch.randint(0, 256, (rows, cols), generator=g, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+        return {"weight": codes.view(torch.float8_e4m3fn), "weight_scale": torch.tensor(1e-3)}
+    groups = cols // GROUP
+    return {"qweight": torch.randint(-2 ** 31, 2 ** 31 - 1, (cols, rows // 8), generator=g, dtype=torch.int32),
+            "qzeros": torch.randint(-2 ** 31, 2 ** 31 - 1, (groups, rows // 8), generator=g, dtype=torch.int32),
+            "scales": (torch.rand(groups, rows, generator=g) * 1e-3).half()}
+
+
+def _write_qwen2(out: Path, quant: str, layers: int, tokenizer_dir: str) -> int:
+    """A Qwen2 (tied head) of `quant` linears with a bf16 embedding of the tokenizer's whole vocabulary, the
+    dense table a large part of the file as in a 0.5B model; returns the file size."""
     from vllmpy.tokenizer import Tokenizer
 
     g = torch.Generator().manual_seed(layers)
@@ -110,10 +129,7 @@ def _write_fp8(out: Path, layers: int, tokenizer_dir: str) -> int:
         for norm in ("input_layernorm", "post_attention_layernorm"):
             tensors[f"{prefix}.{norm}.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
         for module, (rows, cols) in SHAPES.items():
-            codes = torch.randint(0, 256, (rows, cols), generator=g, dtype=torch.uint8)
-            codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
-            tensors[f"{prefix}.{module}.weight"] = codes.view(torch.float8_e4m3fn)
-            tensors[f"{prefix}.{module}.weight_scale"] = torch.tensor(1e-3)
+            tensors.update({f"{prefix}.{module}.{k}": v for k, v in _linear(quant, rows, cols, g).items()})
         for bias in ("q_proj", "k_proj", "v_proj"):
             tensors[f"{prefix}.self_attn.{bias}.bias"] = torch.zeros(SHAPES[f"self_attn.{bias}"][0],
                                                                     dtype=torch.bfloat16)
@@ -121,23 +137,23 @@ def _write_fp8(out: Path, layers: int, tokenizer_dir: str) -> int:
     config = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
               "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": vocab,
               "max_position_embeddings": 256, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
-              "torch_dtype": "bfloat16", "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
+              "torch_dtype": "bfloat16", "quantization_config": QUANT_CONFIGS[quant]}
     (out / "config.json").write_text(json.dumps(config))
     (out / "tokenizer.json").write_bytes((Path(tokenizer_dir) / "tokenizer.json").read_bytes())
     return (out / "model.safetensors").stat().st_size
 
 
-def test_peak_rss_from_the_first_read_within_1_3x_of_an_fp8_checkpoint_with_a_bf16_embedding(
-        smollm2_tokenizer_dir, tmp_path):
-    layers = 2
-    size = _write_fp8(tmp_path / "fp8", layers, smollm2_tokenizer_dir)
+@pytest.mark.parametrize("quant,layers", [("fp8", 2), ("awq", 8)])
+def test_peak_rss_from_the_first_read_within_1_3x_of_a_checkpoint_with_a_bf16_embedding(
+        quant, layers, smollm2_tokenizer_dir, tmp_path):
+    size = _write_qwen2(tmp_path / quant, quant, layers, smollm2_tokenizer_dir)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", CHILD_FROM_FIRST_READ, str(tmp_path / "fp8")], capture_output=True,
+    result = subprocess.run([sys.executable, "-c", CHILD_FROM_FIRST_READ, str(tmp_path / quant)], capture_output=True,
                             text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     figures = dict(line.split() for line in result.stdout.splitlines() if line.startswith(("before", "peak")))
     added = int(figures["peak"]) - int(figures["before"])
     kv = layers * 2 * 4 * (HIDDEN // 16) * 4 * 16 * 16
-    print(f"fp8 + bf16 embedding: file {size / 2**20:.1f} MiB, peak RSS from the first read +{added / 2**20:.1f} "
+    print(f"{quant} + bf16 embedding: file {size / 2**20:.1f} MiB, peak RSS from the first read +{added / 2**20:.1f} "
           f"MiB ({added / size:.2f}x)")
     assert added <= 1.3 * size + kv

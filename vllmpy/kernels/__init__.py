@@ -106,6 +106,8 @@ def _bind_blocks(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.vq_matmul_heads.argtypes = [_INT, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64,
                                     _INT]  # per-head y[h] = x[h] W[h]^T (MLA's absorbed up-projections)
     lib.vq_matmul_heads.restype = _INT
+    lib.vq_matmul_experts.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _INT]
+    lib.vq_matmul_experts.restype = _INT  # a MoE layer's decode rows of every active expert in one call
     lib.vq_matmul_small_amx.argtypes = [_INT]  # AMX tiles in the small-batch kernel: -1 asks, 0 / 1 sets
     lib.vq_matmul_small_amx.restype = _INT
     lib.vq_matmul_tiled_built.argtypes = []
@@ -137,7 +139,8 @@ def block_kernels() -> ctypes.CDLL | None:
     return _profiled(_load("ggml_blocks.c", _bind_blocks,
                            "quantized CPU kernels unavailable (%s); GGUF weights are dequantized at load"),
                      "packed matmul", ("vq_matmul", "vq_matmul_small", "vq_matmul_tiled", "vq_matmul_heads",
-                                       "vq_decode_rows", "vq_decode_range", "vq_decode_range_bf16", "vq_transpose"))
+                                       "vq_matmul_experts", "vq_decode_rows", "vq_decode_range", "vq_decode_range_bf16",
+                                       "vq_transpose"))
 
 
 def _bind_block_fma(lib: ctypes.CDLL) -> ctypes.CDLL:

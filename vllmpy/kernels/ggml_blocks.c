@@ -243,6 +243,20 @@ static inline void dec_q8z(const uint8_t *b, float *y) { dec_zero8(rd_h(b), rd_i
 static inline void dec_q4zf(const uint8_t *b, float *y) { dec_zero4(rd_f(b), b[4], b + 8, y); }
 /* Q8ZF (204): d (f32), zero (i16), 2 pad, qs[32] (i8). */
 static inline void dec_q8zf(const uint8_t *b, float *y) { dec_zero8(rd_f(b), rd_i16(b + 4), (const int8_t *)(b + 8), y); }
+/* Q4Z128 (205): d (f16), zero (u8, as Q4Z), qs[64]: a whole group of 128 values, 67 bytes (0.523 bytes a weight
+ * vs Q4Z's 0.594; a checkpoint's own int4 groups of 128 take 0.520). The codes are laid out as Q4_K's: byte
+ * 32 h + l holds value 64 h + l (low nibble) and 64 h + 32 + l (high), so k45_pair builds two 32-value sub-blocks
+ * from one 32-byte load (widen, mask, shift), where Q4_0's 16-byte runs take a broadcast, a widening, a shift
+ * and a mask for each. */
+static inline void dec_q4z128(const uint8_t *b, float *y) {
+    const float d = rd_h(b);
+    const int z = b[2];
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++) {
+            y[64 * h + l] = d * (float)((int)(b[3 + 32 * h + l] & 0xF) - z);
+            y[64 * h + 32 + l] = d * (float)((int)(b[3 + 32 * h + l] >> 4) - z);
+        }
+}
 
 /* float8 e4m3fn (bias 7, no infinities, S.1111.111 NaN) as float: exact. */
 static inline float e4m3_to_f(uint8_t v) {
@@ -586,8 +600,6 @@ static inline qv block32_q(int type, const uint8_t *b) {
     switch (type) {
     case 2: return _mm512_sub_epi16(nibbles32_i16(b + 2), _mm512_set1_epi16(8));
     case 3: return nibbles32_i16(b + 4);
-    case 200: return nibbles32_i16(b + 3); /* Q4Z: unsigned codes, the zero a min term */
-    case 201: return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + 4))); /* Q8Z */
     case 6: /* (n | 16 * bit) - 16: subtract 16 where the bit is clear */
         memcpy(&qh, b + 2, 4);
         return _mm512_mask_sub_epi16(nibbles32_i16(b + 6), (__mmask32)~qh, nibbles32_i16(b + 6), _mm512_set1_epi16(16));
@@ -598,10 +610,6 @@ static inline qv block32_q(int type, const uint8_t *b) {
         const __m128i book8 = _mm_loadu_si128((const __m128i *)kvalues_iq4nl);
         const __m512i book = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(book8));
         return _mm512_permutexvar_epi16(nibbles32_i16(b + 2), book);
-    }
-    case 39: { /* MXFP4: the doubled e2m1 codebook after the scale byte */
-        const __m128i book8 = _mm_loadu_si128((const __m128i *)kvalues_mxfp4);
-        return _mm512_permutexvar_epi16(nibbles32_i16(b + 1), _mm512_castsi256_si512(_mm256_cvtepi8_epi16(book8)));
     }
     default: return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + 2)));
     }
@@ -629,10 +637,6 @@ static inline __m256i block32_i8(int type, const uint8_t *b) {
         return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
     case 3: /* Q4_1 */
         return nibbles32(b + 4);
-    case 200: /* Q4Z: unsigned codes, the zero a min term */
-        return nibbles32(b + 3);
-    case 201: /* Q8Z */
-        return _mm256_loadu_si256((const __m256i *)(b + 4));
     case 6: /* Q5_0 */
         memcpy(&qh, b + 2, 4);
         return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(qh)), _mm256_set1_epi8(16));
@@ -642,10 +646,6 @@ static inline __m256i block32_i8(int type, const uint8_t *b) {
     case 20: { /* IQ4_NL: nibbles index the non-linear codebook */
         const __m256i book = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_iq4nl));
         return _mm256_shuffle_epi8(book, nibbles32(b + 2));
-    }
-    case 39: { /* MXFP4: the doubled e2m1 codebook after the scale byte */
-        const __m256i book = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_mxfp4));
-        return _mm256_shuffle_epi8(book, nibbles32(b + 1));
     }
     default: /* Q8_0 */
         return _mm256_loadu_si256((const __m256i *)(b + 2));
@@ -1003,6 +1003,49 @@ FORCE_INLINE void row_dot_q6_k(const uint8_t *row, const FixedRow *x, int rows, 
     for (int r = 0; r < rows; r++) out[r] = gv_sum(acc[r]);
 }
 
+/* Q4Z128's codes less the block's zero (decoders), exact in int16. */
+static inline qv qv_less_zero(qv q, int z) {
+#ifdef FX_512
+    return _mm512_sub_epi16(q, _mm512_set1_epi16((short)z));
+#else
+    const __m256i zv = _mm256_set1_epi16((short)z);
+    const qv r = {_mm256_sub_epi16(q.a, zv), _mm256_sub_epi16(q.b, zv)};
+    return r;
+#endif
+}
+
+/* A Q4Z128 block's 128 integers q - z as int8 in X32's group order (its 4 sub-blocks the slots): o[k] =
+ * values 8k .. 8k + 7 of each, slot 2h + s from bytes 32h + 8k .. of qs, low nibbles (s = 0) or high. int8 holds
+ * q - z exactly for z <= 128; the packer's 4-bit zeros are at most 16. */
+static inline void q4z128_i8(const uint8_t *blk, __m256i o[4]) {
+    const __m256i a = pair128(blk + 3, blk + 35), c = pair128(blk + 19, blk + 51);
+    const __m256i t[4] = {_mm256_unpacklo_epi64(a, a), _mm256_unpackhi_epi64(a, a), _mm256_unpacklo_epi64(c, c),
+                          _mm256_unpackhi_epi64(c, c)};
+    const __m256i nibble = _mm256_setr_epi64x(0, 4, 0, 4), low4 = _mm256_set1_epi8(0x0F);
+    const __m256i z = _mm256_set1_epi8((char)blk[2]);
+    for (int k = 0; k < 4; k++) o[k] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srlv_epi64(t[k], nibble), low4), z);
+}
+
+/* Q4Z128: value = d * (q - z), the zero subtracted in the integers (no min term); block b is x's group b.
+ * Rows as in row_dot32. */
+FORCE_INLINE void row_dot_q4z128(const uint8_t *row, const FixedRow *x, int rows, int64_t nb, float *out) {
+    gv acc[SHARE];
+    for (int r = 0; r < rows; r++) acc[r] = gv_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 67 * b;
+        const __m128 d = _mm_set1_ps(rd_h(blk));
+        __m256i o[4];
+        q4z128_i8(blk, o);
+        wv q[1][4];
+        for (int k = 0; k < 4; k++) q[0][k] = wv_from_i8(o[k]);
+        for (int r = 0; r < rows; r++) {
+            const gv s = gv_pick(_mm256_castps128_ps256(_mm_mul_ps(d, _mm_loadu_ps(x[r].scale + 4 * b))), 0, 1, 2, 3);
+            group_dot(q, 1, 4, x[r].q + 256 * b, &s, &acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = gv_sum(acc[r]);
+}
+
 /* Whole-row decoders for the slab path (vq_decode_range and its bf16 twin): each block's integers
  * are built in registers as for the row dots above, converted with cvtepi32_ps, then given the
  * scalar decoder's own float operations in its order (separate mul / add / sub: nothing for the
@@ -1115,14 +1158,30 @@ FORCE_INLINE void fast_block_q6_k(int bf16, const uint8_t *b, void *out, int64_t
     }
 }
 
+/* dec_q4z128: d * (q - z), the zero subtracted in the integers. */
+FORCE_INLINE void fast_block_q4z128(int bf16, const uint8_t *b, void *out, int64_t i) {
+    const fv d = fv_set1(rd_h(b));
+    for (int h = 0; h < 2; h++) {
+        qv q[2];
+        k45_pair(b + 3 + 32 * h, 0, h, &q[0], &q[1]);
+        for (int s = 0; s < 2; s++) {
+            fv f[32 / FVW];
+            qv_to_ps(qv_less_zero(q[s], b[2]), f);
+            for (int c = 0; c < 32 / FVW; c++) fv_emit(bf16, out, i + 64 * h + 32 * s + FVW * c, fv_mul(d, f[c]));
+        }
+    }
+}
+
 /* Rows first .. first + n_rows of the packed [N, k] tensor into out (float or bf16), the block
  * type and output a constant per instance. */
 FORCE_INLINE void fast_row(int type, int block_bytes, int bf16, const uint8_t *row, int64_t k, void *out, int64_t at) {
-    const int block_elems = type == 12 || type == 13 || type == 14 ? QK_K : 32;
+    const int block_elems = type == 12 || type == 13 || type == 14 ? QK_K : type == 205 ? 128 : 32;
     for (int64_t b = 0; b < k / block_elems; b++) {
         const uint8_t *blk = row + b * block_bytes;
         const int64_t i = at + b * block_elems;
-        if (type == 14)
+        if (type == 205)
+            fast_block_q4z128(bf16, blk, out, i);
+        else if (type == 14)
             fast_block_q6_k(bf16, blk, out, i);
         else if (type == 12 || type == 13)
             fast_block_k45(type, bf16, blk, out, i);
@@ -1150,6 +1209,7 @@ static int fast_decode_range(int type, int bf16, const uint8_t *w, int64_t row_b
         return 1;
     FAST_RANGE(2, 18) FAST_RANGE(3, 20) FAST_RANGE(6, 22) FAST_RANGE(7, 24) FAST_RANGE(8, 34) FAST_RANGE(20, 18)
     FAST_RANGE(12, 144) FAST_RANGE(13, 176) FAST_RANGE(14, 210)
+    FAST_RANGE(205, 67)
 #undef FAST_RANGE
     default: return 0;
     }
@@ -1161,8 +1221,10 @@ static inline int has_row_dot(int type) {
            type == 14;
 }
 
-/* Whether the few-row matmuls take the row dots for `type`: MXFP4, Q4Z, Q8Z too (row dots, no small-batch panels). */
-static inline int takes_row_dots(int type) { return has_row_dot(type) || type == 39 || type == 200 || type == 201; }
+/* Whether the few-row matmuls take the row dots for `type`: MXFP4, Q4Z, Q8Z, Q4Z128 too (no small-batch panels). */
+static inline int takes_row_dots(int type) {
+    return has_row_dot(type) || type == 39 || type == 200 || type == 201 || type == 205;
+}
 
 /* out[r] = row . x[r] for r < rows, in units of x[r].unit; each case passes a constant type and
  * block size, and the callers a constant row count, so every dot is compiled for its case (no
@@ -1180,6 +1242,7 @@ FORCE_INLINE void row_dots(int type, const uint8_t *row, const FixedRow *x, int 
     case 13: row_dot_k45(13, 176, row, x, rows, k / QK_K, out); break;
     case 14: row_dot_q6_k(row, x, rows, k / QK_K, out); break;
     case 39: row_dot32(39, 17, row, x, rows, k / 32, out); break;
+    case 205: row_dot_q4z128(row, x, rows, k / 128, out); break;
     default: row_dot32(8, 34, row, x, rows, k / 32, out); break;
     }
 }
@@ -1263,6 +1326,7 @@ static void fixed_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t r0
 #define FIXED_ROWS(T) case T: fixed_rows_of(T, w, row_bytes, r0, r1, k, x, m_rows, y, ldy); break;
     FIXED_ROWS(2) FIXED_ROWS(3) FIXED_ROWS(6) FIXED_ROWS(7) FIXED_ROWS(8) FIXED_ROWS(20) FIXED_ROWS(12) FIXED_ROWS(13)
     FIXED_ROWS(14) FIXED_ROWS(39) FIXED_ROWS(200) FIXED_ROWS(201)
+    FIXED_ROWS(205)
 #undef FIXED_ROWS
     }
 }
@@ -1398,6 +1462,7 @@ DEFINE_MATMUL(q8z, dec_q8z, 32)
 DEFINE_MATMUL(f8s, dec_f8s, 32)
 DEFINE_MATMUL(q4zf, dec_q4zf, 32)
 DEFINE_MATMUL(q8zf, dec_q8zf, 32)
+DEFINE_MATMUL(q4z128, dec_q4z128, 128)
 DEFINE_MATMUL(mxfp4, dec_mxfp4, 32)
 
 typedef struct {
@@ -1415,7 +1480,7 @@ static const Format FORMATS[] = {
     {13, 256, 176, dec_q5_k, mm_q5_k},     {14, 256, 210, dec_q6_k, mm_q6_k},   {20, 32, 18, dec_iq4_nl, mm_iq4_nl},
     {23, 256, 136, dec_iq4_xs, mm_iq4_xs}, {30, 32, 64, dec_bf16, mm_bf16},
     {200, 32, 19, dec_q4z, mm_q4z},        {201, 32, 36, dec_q8z, mm_q8z},      {202, 32, 36, dec_f8s, mm_f8s},
-    {203, 32, 24, dec_q4zf, mm_q4zf},      {204, 32, 40, dec_q8zf, mm_q8zf},
+    {203, 32, 24, dec_q4zf, mm_q4zf},      {204, 32, 40, dec_q8zf, mm_q8zf},    {205, 128, 67, dec_q4z128, mm_q4z128},
     {39, 32, 17, dec_mxfp4, mm_mxfp4},
 };
 
@@ -1550,6 +1615,7 @@ static void decode_panel(int type, const uint8_t *w, int64_t row_bytes, int64_t 
         return;
     PANEL_ROWS(2, 18) PANEL_ROWS(3, 20) PANEL_ROWS(6, 22) PANEL_ROWS(7, 24) PANEL_ROWS(8, 34) PANEL_ROWS(20, 18)
     PANEL_ROWS(12, 144) PANEL_ROWS(13, 176) PANEL_ROWS(14, 210)
+    PANEL_ROWS(205, 67)
 #undef PANEL_ROWS
     default: {
         const Format *f = find(type);
@@ -2067,6 +2133,57 @@ int vq_matmul_heads(int type, const uint8_t *w, int64_t head_bytes, int64_t row_
         }
     free(rows);
     return 1;
+}
+
+/* y = x W_e^T for the rows of each expert e < experts, in one call (a MoE layer's decode: one parallel region
+ * instead of one call and barrier per active expert). x: the (token, expert) assignments' rows sorted by expert,
+ * counts[e] of them for expert e, k floats each; y: their n outputs each, rows ldy floats apart. W_e: packed
+ * [n, k] of types[e] at address weights[e], rows row_bytes[e] apart. Each expert's rows take the same integer
+ * row dots as vq_matmul gives them (bit-identical); 0 (nothing written) where an active expert's type has none,
+ * it has more than max_rows (<= 64) rows, the active types lay x out differently (x_layout), or memory ran out:
+ * the caller then takes one call per expert. */
+int vq_matmul_experts(const int32_t *types, const int64_t *weights, const int64_t *row_bytes, int64_t experts,
+                      const int64_t *counts, int64_t max_rows, int64_t n, int64_t k, const float *x, float *y,
+                      int64_t ldy, int threads) {
+#ifdef HAVE_ROW_DOT
+    int64_t rows = 0, active = 0;
+    int layout = -1; /* x is laid out once, for every active expert's type */
+    for (int64_t e = 0; e < experts; e++) {
+        if (!counts[e]) continue;
+        if (!takes_row_dots(types[e]) || counts[e] > max_rows || counts[e] > 64) return 0;
+        if (layout >= 0 && x_layout(types[e]) != layout) return 0;
+        layout = x_layout(types[e]);
+        rows += counts[e];
+        active++;
+    }
+    if (!active) return 1;
+    FixedRow *fx = malloc(sizeof(FixedRow) * (size_t)rows);
+    int64_t *item_expert = malloc(sizeof(int64_t) * 2 * (size_t)active);
+    uint8_t *scratch = fx && item_expert ? fixed_x(x, rows, rows, 0, k, k, layout, fx) : 0;
+    if (!scratch) {
+        free(fx);
+        free(item_expert);
+        return 0;
+    }
+    int64_t *item_first = item_expert + active; /* each active expert and its first row */
+    for (int64_t e = 0, i = 0, first = 0; e < experts; first += counts[e], e++)
+        if (counts[e]) item_expert[i] = e, item_first[i++] = first;
+    const int64_t chunks = threads > active ? (threads + active - 1) / active : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < active * chunks; item++) {
+        const int64_t i = item / chunks, c = item % chunks, e = item_expert[i], first = item_first[i];
+        fixed_rows(types[e], (const uint8_t *)(intptr_t)weights[e], row_bytes[e], n * c / chunks,
+                   n * (c + 1) / chunks, k, fx + first, counts[e], y + first * ldy, ldy);
+    }
+    free(scratch);
+    free(item_expert);
+    free(fx);
+    return 1;
+#else
+    (void)types, (void)weights, (void)row_bytes, (void)experts, (void)counts, (void)max_rows, (void)n, (void)k, (void)x;
+    (void)y, (void)ldy, (void)threads;
+    return 0;
+#endif
 }
 
 static void pool_fill_chunk(void *ctx, int64_t c) { atomic_fetch_add((_Atomic int64_t *)ctx + c, c + 1); }

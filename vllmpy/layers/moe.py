@@ -19,6 +19,7 @@ from vllmpy.errors import UnsupportedCheckpointError
 from vllmpy.layers.activation import gated, get_activation
 from vllmpy.layers.dense import dense_linear
 from vllmpy.layers.linear import Linear, default_weight_loader, release
+from vllmpy.layers.packed_experts import PackedExperts, takes_rows
 from vllmpy.layers.quantized import PackedTensor, packed_linear
 
 ExpertShard = tuple[int, int | str]  # (expert, part of a fused projection)
@@ -56,6 +57,7 @@ class ExpertLinear(nn.Module):
             offset += size
         self.packed_parts: dict[ExpertShard, PackedTensor] = {}
         self.packed: list[list[PackedTensor]] | None = None  # per expert: its parts as fused segments
+        self.packed_experts: PackedExperts | None = None  # `packed` as one decode call's table, where it can be
 
     def load_packed(self, weight: PackedTensor, shard_id: ExpertShard | None) -> None:
         if shard_id not in self.shard_offsets:
@@ -84,6 +86,7 @@ class ExpertLinear(nn.Module):
                 else:
                     segments.append(part)
             release(self.weight)
+            self.packed_experts = None if self.bias is not None else PackedExperts.build(self.packed)
         self.packed_parts = {}
 
     def matmul(self, expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +153,9 @@ class Experts(nn.Module):
             h = self.glu(self.gate_up_proj.grouped_matmul(xs, ends, experts))
             out = self.down_proj.grouped_matmul(h, ends, experts)
         else:
-            out = self._per_expert(xs, counts.tolist())
+            out = self._packed_in_one_call(xs, counts)
+            if out is None:
+                out = self._per_expert(xs, counts.tolist())
         if not self.weights_on_inputs:
             out *= scale
         return torch.zeros_like(x).index_add_(0, rows, out)
@@ -160,6 +165,15 @@ class Experts(nn.Module):
         if not (self.gate_up_proj.groups_in_one_call(xs) and self.down_proj.groups_in_one_call(xs)):
             return False
         return xs.device.type != "cpu" or xs.shape[0] <= _CPU_GROUPED_ROWS_PER_EXPERT * self.num_experts
+
+    def _packed_in_one_call(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """Both projections of every active expert in one C call each (decode's few rows per expert), or None
+        where they are not packed experts' tables or the kernel declines (then the per-expert loop)."""
+        gate_up, down = self.gate_up_proj.packed_experts, self.down_proj.packed_experts
+        if gate_up is None or down is None or not takes_rows(xs, counts):
+            return None
+        h = gate_up.matmul(xs, counts)
+        return None if h is None else down.matmul(self.glu(h), counts)
 
     def _per_expert(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """One matmul per active expert over its (contiguous) rows: packed stacks, or no grouped matmul."""
