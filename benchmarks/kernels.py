@@ -28,6 +28,9 @@ two libraries alternating per round (in cache: each call repeated 20 times a rou
 per-round ratio old / current.
 
     taskset -c 1 python benchmarks/kernels.py --threads 1 --rows 1 2 3 --reps 15 --against /tmp/old-ggml_blocks.so
+
+--current NEW.so: that build as "current" instead of this CPU's cached one (with --against: two builds of another
+ISA, e.g. both compiled with -march=native -mno-avx512f for an AVX2 CPU's row dots).
 """
 from __future__ import annotations
 
@@ -168,12 +171,19 @@ def _model_order() -> tuple[list[Packed], list[Packed], Packed]:
     return layers, first, head
 
 
-def sweep(threads: int, reps: int, against: str | None) -> None:
+def _current(path: str | None):
+    import ctypes
+
+    from vllmpy.kernels import _bind_blocks
+    return _bind_blocks(ctypes.CDLL(path)) if path else block_kernels()
+
+
+def sweep(threads: int, reps: int, against: str | None, current: str | None) -> None:
     """--sweep of the module docstring."""
     import ctypes
 
     from vllmpy.kernels import _bind_blocks
-    libs = {"current": block_kernels()}
+    libs = {"current": _current(current)}
     if against:
         libs = {"old": _bind_blocks(ctypes.CDLL(against)), **libs}
     layers, first, head = _model_order()
@@ -206,12 +216,12 @@ def sweep(threads: int, reps: int, against: str | None) -> None:
         print(f"{p:24} " + "   ".join(cells))
 
 
-def rows_against(threads: int, reps: int, rows: list[int], head_rows: int, against: str) -> None:
+def rows_against(threads: int, reps: int, rows: list[int], head_rows: int, against: str, current: str | None) -> None:
     """--against without --sweep, as the module docstring says."""
     import ctypes
 
     from vllmpy.kernels import _bind_blocks
-    libs = {"old": _bind_blocks(ctypes.CDLL(against)), "current": block_kernels()}
+    libs = {"old": _bind_blocks(ctypes.CDLL(against)), "current": _current(current)}
     clock = time.thread_time if threads == 1 else time.perf_counter
     for name, ggml_type, data, (n, k) in _weights(head_rows):
         for m in rows:
@@ -242,12 +252,13 @@ def main() -> None:
                         help="--engine: the change measured (small: the small-batch kernel; amx: its AMX tiles)")
     parser.add_argument("--sweep", action="store_true", help="batch-1 calls over all layers and the head instead")
     parser.add_argument("--against", help="an earlier ggml_blocks .so to alternate with (--sweep, or vq_matmul per tensor)")
+    parser.add_argument("--current", help="a ggml_blocks .so to time as current instead of the cached native build")
     args = parser.parse_args()
     if args.sweep:
-        sweep(args.threads, args.reps, args.against)
+        sweep(args.threads, args.reps, args.against, args.current)
         return
     if args.against:
-        rows_against(args.threads, args.reps, args.rows, args.head_rows, args.against)
+        rows_against(args.threads, args.reps, args.rows, args.head_rows, args.against, args.current)
         return
     if args.engine:
         engine_ab(args.pairs, args.reps, TOGGLES[args.toggle])

@@ -321,23 +321,15 @@ static inline void dec_mxfp4(const uint8_t *b, float *y) {
  * subnormals) keeps that precision. Only a block more than ~2^100 below the row's largest one
  * underflows to zero. Non-finite x gives NaN results for its activation row.
  *
- * The sums run over groups of 4 blocks at once. x is stored (x_piece) so that one 512-bit register of
- * int16 (two with AVX2) holds 8 values of each of 4 blocks, a slot of 4 int32 lanes per block, and each
- * type's weight integers are built in the same order (as int8 from 16-byte loads and shuffles, then
- * sign-extended): the 4 registers that cover the group's 128 values add into one int32 vector of hi
- * products and one of lo products (exact: bounds at group_dot), and one conversion of each, one
- * multiply-add joining them and one by the lanes' scales (d_b times x's block scale) serve the 4 blocks,
- * where a register per block paid those float operations and a broadcast for every block. The integer
- * sums stay exact and a lane's conversion and scaling round as a float32 sum's terms do, so the bounds
- * above hold unchanged (tests/gguf/test_packed_kernels.py, every build the dispatch picks from). Q4_K /
- * Q5_K's groups are a super-block's even and odd sub-blocks (the low and high nibbles of the same
- * bytes); Q6_K's are pairs of 32-value chunks in 2 registers, a slot being half a chunk, so each 16-value
- * scale keeps its own lanes and no longer multiplies the integers. One activation row takes the 32-value
- * nibble types' weight rows in pairs, sharing each load of x (row_pair_dots). Against one register per block,
- * on the default model's weights (batch 1, 1 thread, CPU time, AMD EPYC Zen 4; benchmarks/kernels.py
- * --rows 1 --against): Q5_0 1.43-1.46x, Q4_K 1.25x, Q6_K 1.29x, Q8_0 1.13x (2 threads, wall time: 1.38-1.43x,
- * 1.18-1.31x, 1.30x, 1.12x; 2-3 rows 1.2-1.4x); its layers in model order 1.38x (--sweep; 2 threads 1.41x).
- * AVX2 builds keep a group's integers as int8 (16 registers): 1.0-1.1x the former at one row, 0.93-1.05x at 2-3.
+ * The sums run over groups of 4 blocks: x is stored (x_piece) so that one 512-bit register of int16 (two
+ * with AVX2) holds 8 values of each of 4 blocks, a slot of 4 int32 lanes per block, and each type's weight
+ * integers are built in that order, so a group's 4 registers sum into one int32 vector of hi and one of lo
+ * products, and one conversion pair and two multiply-adds (by the lanes' scales, d_b times x's block scale)
+ * serve 4 blocks where each block paid them. The sums stay exact and a lane rounds as a float32 sum's term
+ * does, so the bounds above hold unchanged. Q4_K / Q5_K's groups are a super-block's even and odd sub-blocks
+ * (the low and high nibbles of the same bytes); Q6_K's pairs of 32-value chunks in 2 registers, a slot half a
+ * chunk, so each 16-value scale has its own lanes and moves from the integers to the float scale (exactly);
+ * Q4Z128's its own 4 sub-blocks. Figures: FEATURES.md, load.gguf-packed.
  * Other CPUs and types use decode + float dot. */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_ROW_DOT 1
