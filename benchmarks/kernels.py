@@ -22,6 +22,15 @@ per round and the per-round ratio old / current is printed. At --threads 1 the t
 time, which load from other processes barely moves.
 
     python benchmarks/kernels.py --sweep --threads 1 --reps 8 --against /tmp/old-ggml_blocks.so
+
+--against OLD.so without --sweep: the few-row kernel (vq_matmul) on each of TENSORS for each --rows count, the
+two libraries alternating per round (in cache: each call repeated 20 times a round), µs per call and the
+per-round ratio old / current.
+
+    taskset -c 1 python benchmarks/kernels.py --threads 1 --rows 1 2 3 --reps 15 --against /tmp/old-ggml_blocks.so
+
+--current NEW.so: that build as "current" instead of this CPU's cached one (with --against: two builds of another
+ISA, e.g. both compiled with -march=native -mno-avx512f for an AVX2 CPU's row dots).
 """
 from __future__ import annotations
 
@@ -40,8 +49,8 @@ from vllmpy.loader.gguf.file import read_gguf
 from vllmpy.loader.gguf.quant import hf_shape
 
 # One layer's weights and the tied head: every block type the default model computes on.
-TENSORS = ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "blk.0.attn_v.weight",
-           "token_embd.weight")
+TENSORS = ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "blk.0.attn_output.weight",
+           "blk.0.attn_v.weight", "token_embd.weight")
 KERNELS = ("vq_matmul", "vq_matmul_small", "vq_matmul_tiled")
 
 
@@ -162,12 +171,19 @@ def _model_order() -> tuple[list[Packed], list[Packed], Packed]:
     return layers, first, head
 
 
-def sweep(threads: int, reps: int, against: str | None) -> None:
+def _current(path: str | None):
+    import ctypes
+
+    from vllmpy.kernels import _bind_blocks
+    return _bind_blocks(ctypes.CDLL(path)) if path else block_kernels()
+
+
+def sweep(threads: int, reps: int, against: str | None, current: str | None) -> None:
     """--sweep of the module docstring."""
     import ctypes
 
     from vllmpy.kernels import _bind_blocks
-    libs = {"current": block_kernels()}
+    libs = {"current": _current(current)}
     if against:
         libs = {"old": _bind_blocks(ctypes.CDLL(against)), **libs}
     layers, first, head = _model_order()
@@ -200,6 +216,30 @@ def sweep(threads: int, reps: int, against: str | None) -> None:
         print(f"{p:24} " + "   ".join(cells))
 
 
+def rows_against(threads: int, reps: int, rows: list[int], head_rows: int, against: str, current: str | None) -> None:
+    """--against without --sweep, as the module docstring says."""
+    import ctypes
+
+    from vllmpy.kernels import _bind_blocks
+    libs = {"old": _bind_blocks(ctypes.CDLL(against)), "current": _current(current)}
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    for name, ggml_type, data, (n, k) in _weights(head_rows):
+        for m in rows:
+            x, y = torch.randn(m, k), torch.empty(m, n)
+            times: dict[str, list[float]] = {lib: [] for lib in libs}
+            for rep in range(reps + 1):  # the first round warms up and is dropped
+                for lib_name, lib in libs.items():
+                    start = clock()
+                    for _ in range(20):
+                        lib.vq_matmul(ggml_type, data.data_ptr(), data.shape[1], n, k, x.data_ptr(), m, y.data_ptr(),
+                                      n, threads)
+                    if rep:
+                        times[lib_name].append((clock() - start) / 20)
+            cells = [f"{lib} {statistics.median(t) * 1e6:8.1f} us" for lib, t in times.items()]
+            ratio = _spread([a / b for a, b in zip(times["old"], times["current"])])
+            print(f"{name:24} {ggml_type:>4} {m:>4}  " + "  ".join(cells) + f"   old / current {ratio}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 11, 16, 32])
@@ -211,10 +251,14 @@ def main() -> None:
     parser.add_argument("--toggle", choices=sorted(TOGGLES), default="small",
                         help="--engine: the change measured (small: the small-batch kernel; amx: its AMX tiles)")
     parser.add_argument("--sweep", action="store_true", help="batch-1 calls over all layers and the head instead")
-    parser.add_argument("--against", help="--sweep: an earlier ggml_blocks .so to alternate with")
+    parser.add_argument("--against", help="an earlier ggml_blocks .so to alternate with (--sweep, or vq_matmul per tensor)")
+    parser.add_argument("--current", help="a ggml_blocks .so to time as current instead of the cached native build")
     args = parser.parse_args()
     if args.sweep:
-        sweep(args.threads, args.reps, args.against)
+        sweep(args.threads, args.reps, args.against, args.current)
+        return
+    if args.against:
+        rows_against(args.threads, args.reps, args.rows, args.head_rows, args.against, args.current)
         return
     if args.engine:
         engine_ab(args.pairs, args.reps, TOGGLES[args.toggle])

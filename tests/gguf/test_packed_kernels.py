@@ -398,11 +398,9 @@ def _cpu_has(flag: str) -> bool:
         return any(line.startswith("flags") and f" {flag} " in f" {line.split(':')[1].strip()} " for line in f)
 
 
-@pytest.mark.skipif(not _cpu_has("avx2"), reason="the AVX2 builds need an AVX2 CPU")
-@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avxvnni"]], ids=["avx2", "avx2-no-vnni"])
-def test_small_batch_kernel_in_avx2_builds(flags):
-    """The 8-lane AVX2 panels (vpdpwssd with AVX-VNNI, pmaddwd without), built as an AVX2 CPU builds them:
-    cached beside the native library, keyed by source and flags like it."""
+def _variant_library(flags: list[str]):
+    """ggml_blocks.c built with -march=native plus `flags`, as a CPU without those features builds it: cached
+    beside the native library, keyed by source and flags like it."""
     import ctypes
     import hashlib
     import shutil
@@ -417,8 +415,52 @@ def test_small_batch_kernel_in_avx2_builds(flags):
     target = cache_dir() / "kernels" / f"ggml_blocks-test-{key.hexdigest()[:16]}.so"
     if not target.exists():
         kernels._compile(compiler, all_flags, source, target)
-    lib = kernels._bind_blocks(ctypes.CDLL(str(target)))
+    return kernels._bind_blocks(ctypes.CDLL(str(target)))
+
+
+@pytest.mark.skipif(not _cpu_has("avx2"), reason="the AVX2 builds need an AVX2 CPU")
+@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avxvnni"]], ids=["avx2", "avx2-no-vnni"])
+def test_small_batch_kernel_in_avx2_builds(flags):
+    """The 8-lane AVX2 panels (vpdpwssd with AVX-VNNI, pmaddwd without), built as an AVX2 CPU builds them."""
+    lib = _variant_library(flags)
     assert not lib.vq_matmul_tiled_built()  # really a build without AVX-512
     rng = np.random.default_rng(500)
     for qtype in (Q.Q4_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K):
         _small_batch_check(lib, qtype, rng)
+
+
+# The row dots' builds: this CPU's, AVX2 with and without AVX-VNNI, AVX-512 without BITALG's vpshufbitqmb and VNNI
+# (Skylake-X's set); each needs its base ISA here.
+ROW_DOT_BUILDS = {"native": ([], None), "avx2": (["-mno-avx512f"], "avx2"),
+                  "avx2-no-vnni": (["-mno-avx512f", "-mno-avxvnni"], "avx2"),
+                  "avx512-no-bitalg-vnni": (["-mno-avx512bitalg", "-mno-avx512vnni"], "avx512bw")}
+
+
+@pytest.mark.parametrize("build", list(ROW_DOT_BUILDS))
+def test_row_dots_on_ragged_shapes(build):
+    """The few-row kernel (groups of 4 blocks, two weight rows at a time for one activation row) where rows and
+    groups end mid-way: 37 weight rows split over 1 and 2 threads, 13 blocks of 32 (the last group 1 block;
+    K-quants 3 super-blocks), 1-3 activation rows, ordinary and adversarial x; within matmul_bound of float64."""
+    flags, needs = ROW_DOT_BUILDS[build]
+    if needs and not _cpu_has(needs):
+        pytest.skip(f"the {build} build needs {needs}")
+    from tests.gguf.test_mxfp4 import mxfp4_blocks
+
+    lib = kernels.block_kernels() if not flags else _variant_library(flags)
+    rng = np.random.default_rng(600)
+    n = 37
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.MXFP4, Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        k = 768 if GGML_QUANT_SIZES[qtype][0] == 256 else 416
+        data = mxfp4_blocks(rng, n, k, (110, 135)) if qtype == Q.MXFP4 else random_blocks(qtype, n, k, rng)
+        weight = dequantize(data, qtype).reshape(n, k).astype(np.float64)
+        x = np.concatenate([rng.standard_normal((3, k)).astype(np.float32), adversarial_x(k, rng)])
+        expected, bound = x.astype(np.float64) @ weight.T, matmul_bound(x.astype(np.float64), weight)
+        for m in (1, 2, 3):
+            for threads in (1, 2):
+                y = np.full((len(x), n), np.nan, np.float32)
+                for i in range(0, len(x) - m + 1, m):
+                    lib.vq_matmul(int(qtype), data.ctypes.data, data.shape[1], n, k, x[i:].ctypes.data, m,
+                                  y[i:].ctypes.data, n, threads)
+                done = len(x) // m * m
+                err = np.abs(y[:done] - expected[:done])
+                assert np.all(err <= bound[:done] + 2.0 ** -149), (build, qtype.name, m, threads)
