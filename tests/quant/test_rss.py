@@ -2,7 +2,8 @@
 most 1.3x their share of the file plus their share of the KV pool (16 blocks of 16 tokens). Measured in child processes as the
 difference between a 1-layer and a 9-layer GPTQ int4 checkpoint of one shape (same tokenizer, embeddings
 and interpreter), so the interpreter's own memory cancels; and from the first weight read through a short
-generate for fp8 and AWQ int4 checkpoints with a bf16 embedding."""
+generate for fp8 and AWQ int4 checkpoints with a bf16 embedding, and for a gpt-oss-shaped MXFP4 one whose
+expert stacks are most of the file (a dense copy of one layer's experts would be 7.5x its share)."""
 from __future__ import annotations
 
 import json
@@ -156,4 +157,64 @@ def test_peak_rss_from_the_first_read_within_1_3x_of_a_checkpoint_with_a_bf16_em
     kv = layers * 2 * 4 * (HIDDEN // 16) * 4 * 16 * 16
     print(f"{quant} + bf16 embedding: file {size / 2**20:.1f} MiB, peak RSS from the first read +{added / 2**20:.1f} "
           f"MiB ({added / size:.2f}x)")
+    assert added <= 1.3 * size + kv
+
+
+# gpt-oss-shaped (32 experts top-4, untied bf16 tables as openai ships them): the MXFP4 expert stacks are
+# most of the file, as in gpt-oss-20b (~12 of its 13 GB).
+OSS_HIDDEN, OSS_INTER, OSS_EXPERTS, OSS_LAYERS, OSS_HEAD_DIM, OSS_KV_HEADS = 512, 1024, 32, 8, 64, 2
+
+
+def _write_gpt_oss(out: Path, tokenizer_dir: str) -> tuple[int, int]:
+    """A GptOssForCausalLM in openai's on-disk layout with random MXFP4 codes (scales near 2^-6) and bf16
+    everything else; names and shapes from transformers' model built on the meta device. Returns the file
+    size and the expert stacks' bytes."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from tests.quant.test_mxfp4 import GPT_OSS_QUANT
+    from vllmpy.tokenizer import Tokenizer
+
+    config = GptOssConfig(vocab_size=Tokenizer.from_pretrained(tokenizer_dir).vocab_size, hidden_size=OSS_HIDDEN,
+                          intermediate_size=OSS_INTER, num_hidden_layers=OSS_LAYERS, num_attention_heads=8,
+                          num_key_value_heads=OSS_KV_HEADS, head_dim=OSS_HEAD_DIM, num_local_experts=OSS_EXPERTS,
+                          num_experts_per_tok=4, max_position_embeddings=256, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                           "original_max_position_embeddings": 8})
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in GptOssForCausalLM(config).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    tensors, expert_bytes = {}, 0
+    for name, shape in shapes.items():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            experts, cols, rows = shape  # transformers' [E, in, out]; on disk [E, out, in / 32, 16] codes
+            tensors[f"{name}_blocks"] = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=g,
+                                                      dtype=torch.uint8)
+            tensors[f"{name}_scales"] = torch.randint(119, 123, (experts, rows, cols // 32), generator=g,
+                                                      dtype=torch.uint8)
+            expert_bytes += experts * rows * cols // 32 * 17
+        elif name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            tensors[name] = (torch.randn(shape, generator=g) * 0.02).bfloat16()
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": ["GptOssForCausalLM"],
+                                                 "torch_dtype": "bfloat16", "quantization_config": GPT_OSS_QUANT}))
+    (out / "tokenizer.json").write_bytes((Path(tokenizer_dir) / "tokenizer.json").read_bytes())
+    return (out / "model.safetensors").stat().st_size, expert_bytes
+
+
+def test_peak_rss_from_the_first_read_within_1_3x_of_a_gpt_oss_mxfp4_checkpoint(smollm2_tokenizer_dir, tmp_path):
+    size, experts = _write_gpt_oss(tmp_path / "oss", smollm2_tokenizer_dir)
+    assert experts > 0.65 * size
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", CHILD_FROM_FIRST_READ, str(tmp_path / "oss")], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = dict(line.split() for line in result.stdout.splitlines() if line.startswith(("before", "peak")))
+    added = int(figures["peak"]) - int(figures["before"])
+    kv = OSS_LAYERS * 2 * OSS_KV_HEADS * OSS_HEAD_DIM * 4 * 16 * 16
+    print(f"gpt-oss MXFP4: file {size / 2**20:.1f} MiB (experts {experts / 2**20:.1f}), peak RSS from the first "
+          f"read +{added / 2**20:.1f} MiB ({added / size:.2f}x)")
     assert added <= 1.3 * size + kv
