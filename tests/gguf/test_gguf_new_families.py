@@ -9,6 +9,7 @@ on the safetensors checkpoint; Q8_0 and MXFP4 expert stacks stay packed.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -240,3 +241,87 @@ def test_llama4_without_a_window_has_no_chunks():
     assert extra["layer_types"] == ["full_attention"] * 6
     assert extra["no_rope_layers"] == [1, 1, 1, 1, 1, 0]
     assert (extra["intermediate_size"], extra["intermediate_size_mlp"], extra["use_qk_norm"]) == (32, 128, True)
+
+
+def _ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """openai's codes [..., nb, 16] (values 2j, 2j + 1 in byte j) and scales [..., nb] as the converter's
+    repack writes them: GGML MXFP4 rows [..., nb * 17], the scale byte then values j, j + 16 in byte j."""
+    values = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(-2)
+    nibbles = values[..., :16] | (values[..., 16:] << 4)
+    return torch.cat([scales.unsqueeze(-1), nibbles], dim=-1).flatten(-2).numpy()
+
+
+def _write_from_mxfp4(model, tensors: dict[str, torch.Tensor], path: Path, vocab: dict) -> None:
+    """The converter on an MXFP4 gpt-oss checkpoint (`tensors` as on disk): each `<proj>_blocks` / `_scales`
+    pair repacked, not dequantized, into an MXFP4 stack (gate_up's rows split even / odd into ffn_gate_exps
+    / ffn_up_exps), everything else float32 as `--outtype f32` writes it; the vocabulary under o200k's
+    pre-tokenizer name, as gpt-oss's is."""
+    d = model.config.to_dict()
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[MODEL_ARCH.GPT_OSS])
+    blocks = _metadata("gpt-oss", w, d)
+    add_vocab(w, {**vocab, "tokenizer.ggml.pre": "gpt-4o"})
+    names = gguf.get_tensor_name_map(MODEL_ARCH.GPT_OSS, blocks)
+    dense = {k: v for k, v in tensors.items() if not k.endswith(("_blocks", "_scales"))}
+    for hf, tensor in _converter_state(dense, bool(d.get("tie_word_embeddings")), "gpt-oss").items():
+        w.add_tensor(names.get_name(hf, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(tensor.float().numpy()))
+    for stem in sorted({k.removesuffix("_blocks") for k in tensors if k.endswith("_blocks")}):
+        codes, scales = tensors[f"{stem}_blocks"], tensors[f"{stem}_scales"]
+        parts = ({"down_proj": (codes, scales)} if stem.endswith("down_proj") else
+                 {"gate_proj": (codes[:, 0::2], scales[:, 0::2]), "up_proj": (codes[:, 1::2], scales[:, 1::2])})
+        for proj, (part_codes, part_scales) in parts.items():
+            mapped = names.get_name(f"{stem.rsplit('.', 1)[0]}.{proj}.weight", try_suffixes=(".weight",))
+            w.add_tensor(mapped, _ggml_mxfp4(part_codes, part_scales), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gpt_oss_mxfp4_checkpoint_converted_to_gguf_equals_the_safetensors_run(vocab, smollm2_tokenizer_dir,
+                                                                                tmp_path):
+    """openai's MXFP4 layout converted as llama.cpp's converter does (stacks repacked, kept MXFP4; tokenizer
+    pre "gpt-4o"): the file's experts dequantize (gguf-py) to the checkpoint's (transformers), stay packed
+    in MXFP4, and 32 greedy tokens equal the safetensors checkpoint's exactly, its tokenizer.json splitting
+    as gpt-oss's (o200k) so both tokenize the prompts alike."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import _GPT4O_SPLIT
+
+    from tests.quant.test_mxfp4 import write_mxfp4_experts
+    from vllmpy import LLM, SamplingParams
+    from vllmpy.layers.moe import ExpertLinear
+    from vllmpy.loader.gguf.file import read_gguf
+    from vllmpy.loader.quantization.mxfp4 import MXFP4
+
+    hf_dir = tmp_path / "hf"
+    model = make_tiny_checkpoint("GptOssForCausalLM", smollm2_tokenizer_dir, hf_dir, gpt_oss)
+    tensors = write_mxfp4_experts(model, hf_dir)
+    spec = json.loads((hf_dir / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": _GPT4O_SPLIT}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    (hf_dir / "tokenizer.json").write_text(json.dumps(spec))
+    path = tmp_path / "gpt-oss.gguf"
+    _write_from_mxfp4(model, tensors, path, vocab)
+
+    _, stored = read_gguf(str(path))
+    stacks = {t.name: t for t in stored if "_exps.weight" in t.name}
+    assert {t.tensor_type for t in stacks.values()} == {gguf.GGMLQuantizationType.MXFP4}
+    state = model.state_dict()
+    for layer in range(model.config.num_hidden_layers):
+        experts = f"model.layers.{layer}.mlp.experts"
+        gate_up, down = state[f"{experts}.gate_up_proj"].transpose(1, 2), state[f"{experts}.down_proj"].transpose(1, 2)
+        for name, want in (("gate", gate_up[:, 0::2]), ("up", gate_up[:, 1::2]), ("down", down)):
+            got = gguf.quants.dequantize(np.asarray(stacks[f"blk.{layer}.ffn_{name}_exps.weight"].data),
+                                         gguf.GGMLQuantizationType.MXFP4)
+            assert np.array_equal(got + 0.0, want.numpy() + 0.0), (layer, name)  # -0 decodes as +0 in ggml
+
+    ours = LLM(model=str(path), **LLM_ARGS)
+    experts = [m for m in ours.engine.core.runner.model.modules() if isinstance(m, ExpertLinear)]
+    assert experts and all(m.packed is not None and m.weight.numel() == 0 for m in experts)
+    assert {s.ggml_type for m in experts for segments in m.packed for s in segments} == {MXFP4}
+    reference = LLM(model=str(hf_dir), **LLM_ARGS)
+    prompts = [*PROMPTS, "HelloWorld don't 1234567"]
+    assert [ours.get_tokenizer().encode(p) for p in prompts] == [reference.get_tokenizer().encode(p) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in ours.generate(prompts, params, use_tqdm=False)]
+    assert [list(t) for t in got] == [list(t) for t in expected]

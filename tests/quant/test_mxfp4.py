@@ -5,6 +5,7 @@ tiny gpt-oss in the real on-disk layout greedy-equal to transformers fp32 on the
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,19 +118,14 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), scale.to(torch.uint8)
 
 
-def test_tiny_gpt_oss_greedy_matches_transformers(smollm2_tokenizer_dir, tmp_path, monkeypatch):
-    """A gpt-oss checkpoint whose experts are MXFP4 as openai ships them (interleaved gate/up rows, its
-    quantization_config), computed on the packed blocks. The oracle is transformers fp32 reading the same
-    directory itself (Mxfp4Config(dequantize=True)): it must hold gpt-oss's dequantization of the blocks."""
-    from transformers import AutoModelForCausalLM, Mxfp4Config
+def write_mxfp4_experts(reference: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
+    """Rewrite the gpt-oss checkpoint in `directory` with its experts in openai's on-disk MXFP4 layout and
+    quantization_config; the reference's expert stacks become gpt-oss's dequantization of what was written
+    (transformers' `convert_moe_packed_tensors`). Returns the tensors written."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from vllmpy import LLM
-    from vllmpy.layers.moe import ExpertLinear
-
-    reference = make_tiny_checkpoint("GptOssForCausalLM", smollm2_tokenizer_dir, tmp_path, gpt_oss)
-    state, tensors = reference.state_dict(), {}
-    for name, value in state.items():
+    tensors = {}
+    for name, value in reference.state_dict().items():
         if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             blocks, scales = quantize_mxfp4(value.transpose(1, 2))  # [E, out, in] rows, as gpt-oss stores them
             tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
@@ -137,11 +133,26 @@ def test_tiny_gpt_oss_greedy_matches_transformers(smollm2_tokenizer_dir, tmp_pat
                 value.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
         elif not (reference.config.tie_word_embeddings and name == "lm_head.weight"):
             tensors[name] = value.contiguous()
-    for f in tmp_path.glob("*.safetensors"):
+    for f in directory.glob("*.safetensors"):
         f.unlink()
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": GPT_OSS_QUANT}))
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "quantization_config": GPT_OSS_QUANT}))
+    return tensors
+
+
+def test_tiny_gpt_oss_greedy_matches_transformers(smollm2_tokenizer_dir, tmp_path, monkeypatch):
+    """A gpt-oss checkpoint whose experts are MXFP4 as openai ships them (interleaved gate/up rows, its
+    quantization_config), computed on the packed blocks. The oracle is transformers fp32 reading the same
+    directory itself (Mxfp4Config(dequantize=True)): it must hold gpt-oss's dequantization of the blocks."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from vllmpy import LLM
+    from vllmpy.layers.moe import ExpertLinear
+
+    reference = make_tiny_checkpoint("GptOssForCausalLM", smollm2_tokenizer_dir, tmp_path, gpt_oss)
+    state = reference.state_dict()
+    write_mxfp4_experts(reference, tmp_path)
     oracle = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=Mxfp4Config(dequantize=True),
                                                   dtype=torch.float32).eval()
     theirs = oracle.state_dict()

@@ -213,6 +213,33 @@ def test_gguf_merge_with_missing_token_is_refused():
         Tokenizer.from_gguf_metadata(md)
 
 
+O200K_TEXTS = ["HelloWorld IPhone McDonald's DON'T don't", "1234567 and 12.5%", "a/b\n/c !!/\n/", *PROMPTS]
+
+
+@pytest.mark.parametrize("pre", ["gpt-4o", "llama4"])
+def test_gguf_o200k_pre_tokenizer_matches_transformers(smollm2_gguf_path, tmp_path, pre):
+    """gpt-oss's and Llama 4's GGUFs name tiktoken's o200k split: SmolLM2's vocabulary under that name encodes
+    as transformers' GGUF tokenizer does, and unlike under SmolLM2's own split (a split mapped wrong fails)."""
+    import gguf
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    md = {**_metadata(smollm2_gguf_path), "tokenizer.ggml.pre": pre}
+    w = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+    for key in ("model", "tokens", "token_type", "merges"):
+        value = md[f"tokenizer.ggml.{key}"]
+        {"model": w.add_tokenizer_model, "tokens": w.add_token_list, "token_type": w.add_token_types,
+         "merges": w.add_token_merges}[key](value if isinstance(value, str) else list(value))
+    w.add_tokenizer_pre(pre)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    oracle, _ = convert_gguf_tokenizer(*get_gguf_tokenizer(str(tmp_path / "vocab.gguf"))[:2])
+    ours, smollm = Tokenizer.from_gguf_metadata(md), Tokenizer.from_gguf_metadata(_metadata(smollm2_gguf_path))
+    for text in O200K_TEXTS:
+        assert ours.encode(text, add_special_tokens=False) == oracle.encode(text, add_special_tokens=False).ids, text
+    assert any(ours.encode(t) != smollm.encode(t) for t in O200K_TEXTS)
+
+
 def test_gguf_unknown_pre_tokenizer_is_refused():
     md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "no-such-pre", "tokenizer.ggml.tokens": ["a"]}
     with pytest.raises(UnsupportedCheckpointError, match="no-such-pre"):

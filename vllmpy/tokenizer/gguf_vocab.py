@@ -26,6 +26,14 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# tiktoken's o200k_base (gpt-oss, GPT-4o, Llama 4): case-aware letter runs with the contraction as their
+# suffix, digits in threes, a punctuation run taking a trailing '/'.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 def _byte_level(use_regex: bool) -> dict[str, Any]:
     return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
@@ -53,6 +61,7 @@ _PRE_TOKENIZERS: dict[str, tuple[dict[str, Any], bool]] = {
         (_split_then_bytes(_LLAMA3_SPLIT), True),
     ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2"), (_split_then_bytes(_QWEN2_SPLIT), False)),
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), (_split_then_bytes(_GPT4O_SPLIT), False)),
     **dict.fromkeys(
         ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
         (_DIGITS_THEN_GPT2, False),
