@@ -251,10 +251,11 @@ def _ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
     return torch.cat([scales.unsqueeze(-1), nibbles], dim=-1).flatten(-2).numpy()
 
 
-def _write_from_mxfp4(model, tensors: dict[str, torch.Tensor], path: Path, vocab: dict) -> None:
+def _write_from_mxfp4(model, tensors: dict[str, torch.Tensor], path: Path, vocab: dict, fused: bool) -> None:
     """The converter on an MXFP4 gpt-oss checkpoint (`tensors` as on disk): each `<proj>_blocks` / `_scales`
     pair repacked, not dequantized, into an MXFP4 stack (gate_up's rows split even / odd into ffn_gate_exps
-    / ffn_up_exps), everything else float32 as `--outtype f32` writes it; the vocabulary under o200k's
+    / ffn_up_exps, or with `--fuse-gate-up-exps` one ffn_gate_up_exps of gate rows then up rows, biases
+    alike), everything else float32 as `--outtype f32` writes it; the vocabulary under o200k's
     pre-tokenizer name, as gpt-oss's is."""
     d = model.config.to_dict()
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[MODEL_ARCH.GPT_OSS])
@@ -262,27 +263,39 @@ def _write_from_mxfp4(model, tensors: dict[str, torch.Tensor], path: Path, vocab
     add_vocab(w, {**vocab, "tokenizer.ggml.pre": "gpt-4o"})
     names = gguf.get_tensor_name_map(MODEL_ARCH.GPT_OSS, blocks)
     dense = {k: v for k, v in tensors.items() if not k.endswith(("_blocks", "_scales"))}
-    for hf, tensor in _converter_state(dense, bool(d.get("tie_word_embeddings")), "gpt-oss").items():
-        w.add_tensor(names.get_name(hf, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(tensor.float().numpy()))
+    floats = {names.get_name(hf, try_suffixes=(".weight", ".bias")): np.ascontiguousarray(tensor.float().numpy())
+              for hf, tensor in _converter_state(dense, bool(d.get("tie_word_embeddings")), "gpt-oss").items()}
+    stacks = {}
     for stem in sorted({k.removesuffix("_blocks") for k in tensors if k.endswith("_blocks")}):
         codes, scales = tensors[f"{stem}_blocks"], tensors[f"{stem}_scales"]
         parts = ({"down_proj": (codes, scales)} if stem.endswith("down_proj") else
                  {"gate_proj": (codes[:, 0::2], scales[:, 0::2]), "up_proj": (codes[:, 1::2], scales[:, 1::2])})
         for proj, (part_codes, part_scales) in parts.items():
             mapped = names.get_name(f"{stem.rsplit('.', 1)[0]}.{proj}.weight", try_suffixes=(".weight",))
-            w.add_tensor(mapped, _ggml_mxfp4(part_codes, part_scales), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            stacks[mapped] = _ggml_mxfp4(part_codes, part_scales)
+    if fused:  # gguf-py names no ffn_gate_up_exps for gpt-oss yet: llama.cpp's name, written by hand
+        for layer in range(blocks):
+            for kind, table in (("weight", stacks), ("bias", floats)):
+                gate, up = table.pop(f"blk.{layer}.ffn_gate_exps.{kind}"), table.pop(f"blk.{layer}.ffn_up_exps.{kind}")
+                table[f"blk.{layer}.ffn_gate_up_exps.{kind}"] = np.concatenate([gate, up], axis=1)
+    for name, data in floats.items():
+        w.add_tensor(name, data)
+    for name, data in stacks.items():
+        w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-def test_gpt_oss_mxfp4_checkpoint_converted_to_gguf_equals_the_safetensors_run(vocab, smollm2_tokenizer_dir,
-                                                                                tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fuse-gate-up-exps"])
+def test_gpt_oss_mxfp4_checkpoint_converted_to_gguf_equals_the_safetensors_run(fused, vocab, smollm2_tokenizer_dir,
+                                                                                tmp_path, monkeypatch):
     """openai's MXFP4 layout converted as llama.cpp's converter does (stacks repacked, kept MXFP4; tokenizer
     pre "gpt-4o"): the file's experts dequantize (gguf-py) to the checkpoint's (transformers), stay packed
     in MXFP4, and 32 greedy tokens equal the safetensors checkpoint's exactly, its tokenizer.json splitting
-    as gpt-oss's (o200k) so both tokenize the prompts alike."""
+    as gpt-oss's (o200k) so both tokenize the prompts alike; dequantized at load, the same tokens up to
+    near-ties."""
     from transformers.integrations.gguf.gguf_tokenizer_mapping import _GPT4O_SPLIT
 
     from tests.quant.test_mxfp4 import write_mxfp4_experts
@@ -300,7 +313,7 @@ def test_gpt_oss_mxfp4_checkpoint_converted_to_gguf_equals_the_safetensors_run(v
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
     (hf_dir / "tokenizer.json").write_text(json.dumps(spec))
     path = tmp_path / "gpt-oss.gguf"
-    _write_from_mxfp4(model, tensors, path, vocab)
+    _write_from_mxfp4(model, tensors, path, vocab, fused)
 
     _, stored = read_gguf(str(path))
     stacks = {t.name: t for t in stored if "_exps.weight" in t.name}
@@ -309,7 +322,9 @@ def test_gpt_oss_mxfp4_checkpoint_converted_to_gguf_equals_the_safetensors_run(v
     for layer in range(model.config.num_hidden_layers):
         experts = f"model.layers.{layer}.mlp.experts"
         gate_up, down = state[f"{experts}.gate_up_proj"].transpose(1, 2), state[f"{experts}.down_proj"].transpose(1, 2)
-        for name, want in (("gate", gate_up[:, 0::2]), ("up", gate_up[:, 1::2]), ("down", down)):
+        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+        wanted = {"gate_up": torch.cat([gate, up], dim=1)} if fused else {"gate": gate, "up": up}
+        for name, want in {**wanted, "down": down}.items():
             got = gguf.quants.dequantize(np.asarray(stacks[f"blk.{layer}.ffn_{name}_exps.weight"].data),
                                          gguf.GGMLQuantizationType.MXFP4)
             assert np.array_equal(got + 0.0, want.numpy() + 0.0), (layer, name)  # -0 decodes as +0 in ggml
@@ -325,3 +340,7 @@ def test_gpt_oss_mxfp4_checkpoint_converted_to_gguf_equals_the_safetensors_run(v
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in ours.generate(prompts, params, use_tqdm=False)]
     assert [list(t) for t in got] == [list(t) for t in expected]
+    monkeypatch.setenv("VLLMPY_GGUF_KEEP_QUANT", "0")  # dequantized at load: the stacks (fused: cut along rows)
+    dense = LLM(model=str(path), **LLM_ARGS)
+    assert all(m.packed is None for m in dense.engine.core.runner.model.modules() if isinstance(m, ExpertLinear))
+    _agree(_outputs(ours, prompts), _outputs(dense, prompts), "gpt-oss GGUF MXFP4 experts packed vs dequantized")

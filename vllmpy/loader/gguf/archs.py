@@ -667,12 +667,16 @@ ARCHS: dict[str, ArchSpec] = {
         extra_config=_llama4_config,
     ),
     # The converter splits gate_up_proj's interleaved rows (and bias) into ffn_gate_exps / ffn_up_exps
-    # [E, I, H] (MXFP4 when the checkpoint's experts are); sinks are attn_sinks.weight.
+    # [E, I, H] (MXFP4 when the checkpoint's experts are), or with --fuse-gate-up-exps writes them as one
+    # ffn_gate_up_exps [E, 2I, H], gate rows first; sinks are attn_sinks.weight.
     "gpt-oss": ArchSpec(
         hf_architecture="GptOssForCausalLM",
         model_type="gpt_oss",
         layer_names={**ATTENTION_NAMES, **MOE_NAMES, "attn_norm": "input_layernorm",
-                     "post_attention_norm": "post_attention_layernorm", "attn_sinks.weight": "self_attn.sinks"},
+                     "post_attention_norm": "post_attention_layernorm", "attn_sinks.weight": "self_attn.sinks",
+                     "ffn_gate_up_exps": "mlp.experts.gate_up_proj"},
+        splits={f"ffn_gate_up_exps.{kind}": (f"mlp.experts.gate_proj.{kind}", f"mlp.experts.up_proj.{kind}")
+                for kind in ("weight", "bias")},
         config_constants={"hidden_act": "silu"},
         head_dim_keys=("attention.key_length",),
         tensor_flags={"attention_bias": "attn_q.bias"},

@@ -79,10 +79,12 @@ class GGUFCheckpoint:
         """
         for planned in self._plan:
             transform = planned.transform
-            stack = to_packed_stack(planned.tensor) if keep_packed and is_expert_stack(planned.name) else None
+            stacked = is_expert_stack(planned.parts[0])  # a fused gate_up stack's parts are gate / up stacks
+            stack = to_packed_stack(planned.tensor) if keep_packed and stacked else None
             if stack is not None and transform is None:
-                for expert, part in enumerate(stack):
-                    yield expert_name(planned.name, expert), part
+                for expert, matrix in enumerate(stack):
+                    for name, part in zip(planned.parts, _row_parts(matrix, len(planned.parts))):
+                        yield expert_name(name, expert), part
                 continue
             packed = to_packed(planned.tensor, planned.head_stack) if keep_packed else None
             if packed is not None and transform is not None:
@@ -93,15 +95,16 @@ class GGUFCheckpoint:
             tensor = to_torch(planned.tensor)
             if transform is not None:
                 tensor = transform(tensor, self._config)
-            yield from zip(planned.parts, _row_parts(tensor.to(dtype), len(planned.parts)))
+            yield from zip(planned.parts, _row_parts(tensor.to(dtype), len(planned.parts), dim=int(stacked)))
 
 
-def _row_parts(tensor: torch.Tensor | PackedTensor, count: int) -> list[torch.Tensor | PackedTensor]:
-    """A tensor the converter fused (`ArchSpec.splits`) cut back into `count` equal row blocks."""
+def _row_parts(tensor: torch.Tensor | PackedTensor, count: int, dim: int = 0) -> list[torch.Tensor | PackedTensor]:
+    """A tensor the converter fused (`ArchSpec.splits`) cut back into `count` equal row blocks (an expert
+    stack's or its bias's along dim 1, each expert's rows)."""
     if count == 1:
         return [tensor]
     if isinstance(tensor, torch.Tensor):
-        return list(tensor.chunk(count))
+        return list(tensor.chunk(count, dim))
     rows = tensor.shape[0] // count
     return [PackedTensor(data, tensor.ggml_type, (rows, tensor.shape[1]), tensor.input_perm)
             for data in tensor.data.chunk(count)]
@@ -157,12 +160,13 @@ def _split_names(spec: ArchSpec, name: TensorName, tensor: GGUFTensor) -> tuple[
     leaves = spec.splits.get(name.key)
     if leaves is None:
         return (name.hf,)
-    rows = hf_shape(tensor)[0]
+    layer = name.hf.split(".")[2]
+    parts = tuple(f"model.layers.{layer}.{leaf}" for leaf in leaves)
+    rows = hf_shape(tensor)[int(is_expert_stack(parts[0]))]
     if rows % len(leaves):
         raise UnsupportedCheckpointError(
             f"tensor {tensor.name!r} has {rows} rows, which do not split into {len(leaves)} equal parts")
-    layer = name.hf.split(".")[2]
-    return tuple(f"model.layers.{layer}.{leaf}" for leaf in leaves)
+    return parts
 
 
 def _is_mtp_block(name: str, config: dict) -> bool:
