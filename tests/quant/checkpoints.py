@@ -33,6 +33,7 @@ CONFIGS = {
     "awq-int4-g64": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm",
                      "modules_to_not_convert": None},
     "awq-int4-g128": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "awq-int4-g32": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
     "ct-w4a16-asym-g32": _ct("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": False,
                                                 "strategy": "group", "group_size": 32}),
     "ct-w4a16-asym-g128": _ct("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": False,

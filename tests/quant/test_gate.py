@@ -1,7 +1,8 @@
 """Gate: a tiny model in each quantized format, computed on its packed blocks, greedy 32 tokens token for
 token (or near-tie) against transformers fp32 on the reference-dequantized weights; chosen logprobs within
 1e-3. Llama for every format (the group-128 ones on a wider Llama, through Q4Z128 blocks), Qwen2 (qkv bias,
-tied head) and Qwen3-MoE (per-expert quantized experts) for some."""
+tied head) and Qwen3-MoE (per-expert quantized experts) for one format of each
+method (GPTQ, AWQ, compressed-tensors, fp8; MXFP4's MoE gate is gpt-oss, tests/quant/test_mxfp4.py)."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 32
 CASES = ([("LlamaForCausalLM", fmt) for fmt in CONFIGS]
          + [("Qwen2ForCausalLM", "gptq-int4-g32-act-order"), ("Qwen3MoeForCausalLM", "ct-w4a16-asym-g32"),
-            ("Qwen3MoeForCausalLM", "fp8-block")])
+            ("Qwen3MoeForCausalLM", "fp8-block"), ("Qwen3MoeForCausalLM", "gptq-int4-g32-act-order"),
+            ("Qwen3MoeForCausalLM", "awq-int4-g32")])
 
 
 @pytest.mark.parametrize("arch,fmt", CASES)
